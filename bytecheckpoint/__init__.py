@@ -1,0 +1,32 @@
+"""bytecheckpoint: parallelism-agnostic checkpoints for PyTorch training.
+
+    import bytecheckpoint as bcp
+    bcp.save("ckpt/step_100", {"model": model, "optimizer": optim}, step=100)
+    bcp.load("ckpt", {"model": model, "optimizer": optim})  # latest, resharded to this layout
+"""
+
+__version__ = "0.1.0"
+
+from .api import load, save  # noqa: E402
+from .engine.load import LoadResult  # noqa: E402
+from .engine.save import SaveResult  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    MissingKeysError,
+    NotACheckpointError,
+    RankFailedError,
+    ShapeMismatchError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
+from .integrity import verify  # noqa: E402
+
+__all__ = [
+    "save", "load", "verify", "SaveResult", "LoadResult", "CheckpointError",
+    "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
+    "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",
+    "UnsafeCheckpointError",
+]

@@ -1,0 +1,63 @@
+"""The public entry points: ``save`` and ``load``.
+
+``state`` is a dict such as ``{"model": model, "optimizer": optim, "extra_state": {...}}``.
+Modules and optimizers are saved tensor by tensor in a layout-free form; anything else with
+``state_dict()``/``load_state_dict()`` (or a plain value) is packed per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .checksums import DEFAULT_CHUNK_BYTES
+from .engine.load import LoadResult
+from .engine.load import load as _load
+from .engine.save import SaveResult
+from .engine.save import save as _save
+
+
+def save(
+    path: str,
+    state: dict[str, Any],
+    *,
+    framework: str | None = None,
+    step: int | None = None,
+    user_metadata: dict[str, Any] | None = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> SaveResult:
+    """Save ``state`` to the checkpoint directory ``path``; every rank must call it.
+
+    Args:
+        path: a local path, ``file://...`` or ``mem://...``. The checkpoint appears there only
+            once every rank has written its files (atomic commit); ``<parent>/latest`` then
+            names it.
+        framework: ``"ddp"``, ``"fsdp2"``, ``"dtensor"`` or ``"single"``; ``None`` detects it.
+        step: the training step, recorded in the metadata and the ``latest`` pointer.
+        user_metadata: small JSON-like values stored in the metadata.
+        process_group: the ranks taking part (default: the default group, or none).
+        overwrite: replace a committed checkpoint already at ``path``.
+        chunk_bytes: checksum granularity in bytes.
+    """
+    return _save(path, state, framework=framework, step=step, user_metadata=user_metadata,
+                 process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes)
+
+
+def load(
+    path: str,
+    state: dict[str, Any],
+    *,
+    framework: str | None = None,
+    strict: bool = True,
+    process_group: Any = None,
+    verify: bool = True,
+) -> LoadResult:
+    """Load the checkpoint at ``path`` into ``state`` in place, resharding as needed.
+
+    ``path`` is a checkpoint directory or a root whose ``latest`` pointer names one. With
+    ``strict=False``, keys that only one side has are reported in the result instead of
+    raising. ``verify`` checks the checksum of every byte read.
+    """
+    return _load(path, state, framework=framework, strict=strict, process_group=process_group,
+                 verify=verify)

@@ -1,0 +1,104 @@
+"""A safe codec for the non-tensor parts of a state: msgpack with a few typed extensions.
+
+Optimizer hyper-parameters, RNG states, step counters and user dicts are packed into
+compact bytes. Decoding never executes code (no pickle): only the types below come back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from .dtypes import dtype_from_name, dtype_name
+from .errors import CorruptCheckpointError, UnsupportedStateError
+
+_EXT_TUPLE = 1
+_EXT_TENSOR = 2
+_EXT_NDARRAY = 3
+_EXT_INTKEY_DICT = 4
+_EXT_BIGINT = 5
+_EXT_DTYPE = 6
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            raise UnsupportedStateError(
+                f"cannot store a {type(obj).__name__} inside non-tensor state; "
+                "put sharded tensors in a module or optimizer, or call .full_tensor() first"
+            )
+        t = obj.detach().to("cpu").contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return msgpack.ExtType(_EXT_TENSOR, _pack([dtype_name(t.dtype), list(t.shape), raw]))
+    if isinstance(obj, np.ndarray):
+        a = np.ascontiguousarray(obj)
+        if a.dtype.hasobject:
+            raise UnsupportedStateError("numpy object arrays cannot be stored safely")
+        return msgpack.ExtType(_EXT_NDARRAY, _pack([a.dtype.str, list(a.shape), a.tobytes()]))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        # Non-string keys (e.g. optimizer param ids) need their own tag.
+        return msgpack.ExtType(_EXT_INTKEY_DICT, _pack([[k, v] for k, v in obj.items()]))
+    if isinstance(obj, int):
+        return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
+    if isinstance(obj, torch.dtype):
+        return msgpack.ExtType(_EXT_DTYPE, dtype_name(obj).encode())
+    raise UnsupportedStateError(
+        f"cannot store a value of type {type(obj).__module__}.{type(obj).__qualname__}; "
+        "supported: None, bool, int, float, str, bytes, list, tuple, dict, torch.Tensor, "
+        "numpy arrays"
+    )
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == _EXT_TUPLE:
+        return tuple(_unpack(data))
+    if code == _EXT_TENSOR:
+        dtype, shape, raw = _unpack(data)
+        torch_dtype = dtype_from_name(dtype)
+        if not raw:
+            return torch.empty(shape, dtype=torch_dtype)
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return flat.view(torch_dtype).reshape(shape)
+    if code == _EXT_NDARRAY:
+        dtype, shape, raw = _unpack(data)
+        np_dtype = np.dtype(dtype)
+        if np_dtype.hasobject:
+            raise CorruptCheckpointError("stored numpy array claims an object dtype")
+        return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
+    if code == _EXT_INTKEY_DICT:
+        return dict(_unpack(data))
+    if code == _EXT_BIGINT:
+        return int(data.decode())
+    if code == _EXT_DTYPE:
+        return dtype_from_name(data.decode())
+    raise CorruptCheckpointError(f"unknown extension type {code} in stored object state")
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+
+
+def encode(obj: Any) -> bytes:
+    """Pack a tree of plain Python values, tensors and arrays into bytes."""
+    return _pack(obj)
+
+
+def decode(data: bytes) -> Any:
+    """Unpack bytes made by :func:`encode`; raises CorruptCheckpointError on bad input."""
+    try:
+        return _unpack(data)
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CorruptCheckpointError(f"stored object state cannot be decoded: {exc}") from exc

@@ -1,0 +1,68 @@
+"""Errors raised by bytecheckpoint.
+
+Every error names the problem and, where there is one, what to do about it.
+They share one base class so callers can catch everything from the library at once.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by bytecheckpoint."""
+
+
+class NotACheckpointError(CheckpointError):
+    """The path holds no committed checkpoint (missing, never committed, or not ours)."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """A committed checkpoint already exists at the target path."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Checkpoint bytes or metadata are damaged: checksum mismatch, truncation, bad fields."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """Metadata points outside the checkpoint directory or carries forbidden values."""
+
+
+class StateMismatchError(CheckpointError):
+    """The state to load into does not match the checkpoint (keys, shapes or dtypes)."""
+
+
+class MissingKeysError(StateMismatchError):
+    """Keys are missing from the checkpoint, or the checkpoint has keys the state lacks."""
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str]) -> None:
+        super().__init__(message)
+        self.missing_keys = missing
+        self.unexpected_keys = unexpected
+
+
+class ShapeMismatchError(StateMismatchError):
+    """A tensor's global shape differs between the checkpoint and the state."""
+
+
+class DtypeMismatchError(StateMismatchError):
+    """A tensor's dtype differs between the checkpoint and the state."""
+
+
+class PlanningError(CheckpointError):
+    """The ranks' local plans do not form a valid global plan."""
+
+
+class UnsupportedStateError(CheckpointError):
+    """The state holds something the chosen framework planner cannot save or load."""
+
+
+class RankFailedError(CheckpointError):
+    """One or more ranks failed; the message carries each failing rank's error."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+class StorageError(CheckpointError):
+    """A storage backend operation failed."""

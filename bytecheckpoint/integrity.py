@@ -1,0 +1,181 @@
+"""The commit protocol, the ``latest`` pointer, resolving a path, and verification.
+
+A checkpoint directory is committed when its metadata file exists under the final path.
+On storage with atomic rename, ranks write into a hidden staging directory next to the
+final one (``.<name>.staging-<id>``); the coordinator writes the metadata last and renames
+the directory into place. A crash at any moment leaves either the old state or the new
+one, and a staging directory is never mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .checksums import bad_chunks
+from .errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
+from .metadata import METADATA_FILE, CheckpointMetadata, check_file_name
+from .storage import Storage, open_storage
+
+LATEST_FILE = "latest"
+STAGING_TAG = ".staging-"
+REPLACED_TAG = ".replaced-"
+
+
+def split_checkpoint_path(path: str) -> tuple[str, str]:
+    path = path.rstrip("/")
+    parent, name = posixpath.split(path)
+    if not name or name.startswith("."):
+        raise NotACheckpointError(
+            f"{path!r} cannot be a checkpoint path: give a directory name such as "
+            "'checkpoints/step_100' (names starting with '.' are reserved)"
+        )
+    return parent, name
+
+
+def staging_path(path: str, save_id: str) -> str:
+    parent, name = split_checkpoint_path(path)
+    return posixpath.join(parent, f".{name}{STAGING_TAG}{save_id}")
+
+
+def stale_staging_dirs(storage: Storage, path: str) -> list[str]:
+    parent, name = split_checkpoint_path(path)
+    prefix = f".{name}{STAGING_TAG}"
+    return [posixpath.join(parent, n) for n in storage.list_dir(parent) if n.startswith(prefix)]
+
+
+def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id: str) -> None:
+    """Make ``staging`` visible as ``final`` (atomic rename; old copy moved aside first)."""
+    parent, name = split_checkpoint_path(final)
+    replaced = None
+    if storage.exists(final):
+        if not overwrite:
+            raise CheckpointExistsError(f"{storage.url(final)} already exists; pass overwrite=True")
+        replaced = posixpath.join(parent, f".{name}{REPLACED_TAG}{save_id}")
+        storage.rename(final, replaced)
+    storage.rename(staging, final)
+    if replaced is not None:
+        storage.delete(replaced)
+
+
+@dataclass(frozen=True)
+class Latest:
+    name: str
+    step: int | None
+
+
+def read_latest(storage: Storage, root: str) -> Latest | None:
+    pointer = posixpath.join(root, LATEST_FILE)
+    try:
+        doc = json.loads(bytes(storage.read(pointer)).decode())
+        name = check_file_name(doc["checkpoint"], pointer)
+        return Latest(name, doc.get("step"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, UnsafeCheckpointError) as exc:
+        raise CorruptCheckpointError(f"{pointer}: unreadable latest pointer ({exc})") from exc
+
+
+def update_latest(storage: Storage, final: str, step: int | None, save_id: str) -> bool:
+    """Point ``<parent>/latest`` at ``final`` unless it already names a later step."""
+    parent, name = split_checkpoint_path(final)
+    current = read_latest(storage, parent)
+    if current is not None and step is not None and current.step is not None and current.step > step:
+        return False
+    tmp = posixpath.join(parent, f".{LATEST_FILE}.tmp-{save_id}")
+    storage.write_bytes(tmp, json.dumps({"checkpoint": name, "step": step, "time": time.time()}).encode())
+    storage.rename(tmp, posixpath.join(parent, LATEST_FILE), overwrite=True)
+    return True
+
+
+def resolve(url: str) -> tuple[Storage, str]:
+    """Find the committed checkpoint at ``url`` (a checkpoint or a root with ``latest``)."""
+    storage, path = open_storage(url)
+    path = path.rstrip("/") or path
+    if storage.exists(posixpath.join(path, METADATA_FILE)):
+        split_checkpoint_path(path)
+        return storage, path
+    latest = read_latest(storage, path)
+    if latest is not None:
+        target = posixpath.join(path, latest.name)
+        if storage.exists(posixpath.join(target, METADATA_FILE)):
+            return storage, target
+        raise NotACheckpointError(
+            f"{url}: the latest pointer names {latest.name!r}, which holds no committed "
+            "checkpoint (it was deleted or moved); load a specific checkpoint instead"
+        )
+    name = posixpath.basename(path)
+    if STAGING_TAG in name:
+        raise NotACheckpointError(
+            f"{url} is the staging directory of a save that never committed; it cannot be "
+            "loaded. Load the last committed checkpoint instead"
+        )
+    try:
+        stale = stale_staging_dirs(storage, path)
+    except NotACheckpointError:
+        stale = []
+    if stale:
+        raise NotACheckpointError(
+            f"{url}: a save to this path was started but never committed (staging: "
+            f"{posixpath.basename(stale[0])}); load the previous checkpoint instead"
+        )
+    if storage.is_dir(path):
+        raise NotACheckpointError(
+            f"{url} is not a checkpoint: it has no {METADATA_FILE} (written when a save commits)"
+            " and no 'latest' pointer"
+        )
+    raise NotACheckpointError(f"{url}: no such checkpoint")
+
+
+def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
+    meta_path = posixpath.join(path, METADATA_FILE)
+    return CheckpointMetadata.from_bytes(bytes(storage.read(meta_path)), source=storage.url(meta_path))
+
+
+def check_file_sizes(storage: Storage, path: str, meta: CheckpointMetadata, names: set[str]) -> None:
+    for name in sorted(names):
+        f = meta.file(name)
+        full = posixpath.join(path, name)
+        try:
+            size = storage.size(full)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{storage.url(full)}: storage file is missing from the checkpoint"
+            ) from None
+        if size != f.size:
+            raise CorruptCheckpointError(
+                f"{storage.url(full)}: storage file is {size} bytes but the metadata records "
+                f"{f.size} (truncated or overwritten)"
+            )
+
+
+def verify(url: str, *, threads: int = 4) -> list[str]:
+    """Re-check every checksum of a checkpoint; return a description of each problem."""
+    storage, path = resolve(url)
+    meta = read_metadata(storage, path)
+    problems: list[str] = []
+    for f in meta.files:
+        try:
+            check_file_sizes(storage, path, meta, {f.name})
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+    pieces = [sb.bytes for t in meta.tensors for sb in meta.boxes_of(t.key)]
+    pieces += [o.bytes for o in meta.objects]
+
+    def check(piece) -> str | None:
+        full = posixpath.join(path, piece.file)
+        try:
+            data = storage.read(full, piece.byte_offset, piece.byte_length)
+        except (OSError, EOFError) as exc:
+            return f"{storage.url(full)}: cannot read bytes {piece.byte_offset}+{piece.byte_length}: {exc}"
+        bad = bad_chunks(memoryview(data), 0, list(piece.checksums), meta.chunk_bytes)
+        if bad:
+            return f"{storage.url(full)}: checksum mismatch at bytes {piece.byte_offset}+{piece.byte_length}"
+        return None
+
+    with ThreadPoolExecutor(threads) as pool:
+        problems += [p for p in pool.map(check, pieces) if p]
+    return problems

@@ -1,0 +1,139 @@
+"""Boxes: the regular n-D pieces a checkpoint is made of.
+
+A box is ``(offsets, lengths)`` in the global coordinates of one tensor. Every saved
+shard is one or more boxes; loading fills each target box from the saved boxes that
+intersect it. All functions here are pure and work on plain tuples of ints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Box:
+    """A regular n-D region ``[offsets, offsets + lengths)`` of a tensor of known shape."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.lengths):
+            raise ValueError(f"box rank mismatch: offsets {self.offsets}, lengths {self.lengths}")
+        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+            raise ValueError(f"box has negative offsets or lengths: {self}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + n for o, n in zip(self.offsets, self.lengths))
+
+    def is_empty(self) -> bool:
+        return any(n == 0 for n in self.lengths)
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return len(shape) == self.ndim and all(e <= s for e, s in zip(self.ends, shape))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region of two boxes, or None when they do not overlap."""
+        starts = [max(a, b) for a, b in zip(self.offsets, other.offsets)]
+        ends = [min(a, b) for a, b in zip(self.ends, other.ends)]
+        if any(s >= e for s, e in zip(starts, ends)):
+            return None
+        return Box(tuple(starts), tuple(e - s for s, e in zip(starts, ends)))
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box in the local coordinates of ``outer`` (which must contain it)."""
+        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets)), self.lengths)
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return Box((0,) * len(shape), tuple(int(s) for s in shape))
+
+
+def row_major_strides(lengths: Sequence[int]) -> tuple[int, ...]:
+    strides = [1] * len(lengths)
+    for i in range(len(lengths) - 2, -1, -1):
+        strides[i] = strides[i + 1] * lengths[i + 1]
+    return tuple(strides)
+
+
+def element_span(inner: Box, outer_lengths: Sequence[int]) -> tuple[int, int]:
+    """Element range ``[first, last + 1)`` that ``inner`` occupies in a row-major box.
+
+    ``inner`` is in the outer box's local coordinates. The range is what a ranged read
+    must fetch; it is exact when ``inner`` spans whole trailing dimensions.
+    """
+    if inner.is_empty():
+        return 0, 0
+    strides = row_major_strides(outer_lengths)
+    first = sum(o * s for o, s in zip(inner.offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(inner.offsets, inner.lengths, strides))
+    return first, last + 1
+
+
+def split_rows(box: Box, max_numel: int) -> list[Box]:
+    """Split a box along dim 0 into pieces of at most ``max_numel`` elements (when possible).
+
+    Pieces stay contiguous in row-major order, so each is one contiguous byte range.
+    """
+    if box.ndim == 0 or box.lengths[0] <= 1 or box.numel <= max_numel:
+        return [box]
+    row = box.numel // box.lengths[0]
+    rows_per_piece = max(1, max_numel // max(row, 1))
+    pieces = []
+    for start in range(0, box.lengths[0], rows_per_piece):
+        n = min(rows_per_piece, box.lengths[0] - start)
+        pieces.append(Box((box.offsets[0] + start, *box.offsets[1:]), (n, *box.lengths[1:])))
+    return pieces
+
+
+def find_overlap(boxes: Iterable[Box]) -> tuple[Box, Box] | None:
+    """Return a pair of overlapping boxes, or None.
+
+    Sweep along dim 0: only boxes whose dim-0 ranges overlap are compared, so grid-like
+    shardings (every real layout) cost O(n log n).
+    """
+    ordered = sorted((b for b in boxes if not b.is_empty()), key=lambda b: b.offsets[:1])
+    active: list[Box] = []
+    for box in ordered:
+        if box.ndim == 0:
+            if active:
+                return active[0], box
+            active.append(box)
+            continue
+        start = box.offsets[0]
+        active = [a for a in active if a.ends[0] > start]
+        for other in active:
+            if other.intersect(box) is not None:
+                return other, box
+        active.append(box)
+    return None
+
+
+def coverage_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
+    """Describe why ``boxes`` do not tile ``shape`` exactly, or return None if they do."""
+    for b in boxes:
+        if not b.within(shape):
+            return f"box offsets={b.offsets} lengths={b.lengths} lies outside shape {tuple(shape)}"
+    pair = find_overlap(boxes)
+    if pair is not None:
+        a, b = pair
+        return f"boxes overlap: {a.offsets}+{a.lengths} and {b.offsets}+{b.lengths}"
+    total = math.prod(shape)
+    covered = sum(b.numel for b in boxes)
+    if covered != total:
+        return f"boxes cover {covered} of {total} elements"
+    return None

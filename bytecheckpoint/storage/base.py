@@ -1,0 +1,119 @@
+"""The storage interface the engine is written against.
+
+A backend supplies a handful of primitives on paths within its own namespace (strings with
+``/`` separators, no scheme): a streaming writer, ranged reads, size, listing, rename,
+delete. The engine never touches a file system directly, so a new backend is one module.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import posixpath
+from collections.abc import Sequence
+from typing import ClassVar
+
+
+class CommitMode(str, enum.Enum):
+    """How a checkpoint becomes visible.
+
+    RENAME: files are written into a staging directory that is renamed to the final path
+    (atomic on POSIX file systems and in memory). MARKER: files are written in place and the
+    metadata file, written last, is the commit marker (object stores have no rename).
+    """
+
+    RENAME = "rename"
+    MARKER = "marker"
+
+
+class Writer(abc.ABC):
+    """A file being written. Bytes become durable only after :meth:`commit`."""
+
+    @abc.abstractmethod
+    def write(self, data: memoryview | bytes) -> None: ...
+
+    @abc.abstractmethod
+    def commit(self) -> int:
+        """Flush, make durable, close; return the file size."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close and discard what was written."""
+
+
+class Storage(abc.ABC):
+    scheme: ClassVar[str]
+    commit_mode: ClassVar[CommitMode] = CommitMode.RENAME
+
+    @abc.abstractmethod
+    def open_writer(self, path: str) -> Writer: ...
+
+    @abc.abstractmethod
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from ``path`` starting at ``offset``; return bytes read."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes; raises FileNotFoundError if ``path`` is not a file."""
+
+    @abc.abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Names directly under ``path`` (empty if it does not exist)."""
+
+    @abc.abstractmethod
+    def is_dir(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        """Atomically move a file or directory. ``dst`` must not exist unless ``overwrite``
+        (files only), in which case it is replaced atomically."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove a file or a directory tree; a missing path is not an error."""
+
+    # -- derived -----------------------------------------------------------------
+    def exists(self, path: str) -> bool:
+        try:
+            self.size(path)
+            return True
+        except (FileNotFoundError, IsADirectoryError):
+            return self.is_dir(path)
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytearray:
+        if length is None:
+            length = self.size(path) - offset
+        buf = bytearray(length)
+        got = self.read_into(path, offset, memoryview(buf))
+        if got != length:
+            raise EOFError(f"{self.url(path)}: wanted {length} bytes at {offset}, got {got}")
+        return buf
+
+    def write_bytes(self, path: str, data: bytes) -> int:
+        writer = self.open_writer(path)
+        try:
+            writer.write(data)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.commit()
+
+    def write_chunks(self, path: str, chunks: Sequence[memoryview | bytes]) -> int:
+        writer = self.open_writer(path)
+        try:
+            for chunk in chunks:
+                writer.write(chunk)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.commit()
+
+    @staticmethod
+    def join(*parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def url(self, path: str) -> str:
+        return f"{self.scheme}://{path}"

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.dist import WorldPool  # noqa: E402
+
+_POOLS: dict[int, WorldPool] = {}
+
+
+@pytest.fixture(scope="session")
+def world() -> Iterator:
+    """``world(n)`` returns a pool of n ranks in one gloo group, started once per session."""
+
+    def get(n: int) -> WorldPool:
+        pool = _POOLS.get(n)
+        if pool is None or pool.broken:
+            pool = _POOLS[n] = WorldPool(n)
+        return pool
+
+    yield get
+    for pool in _POOLS.values():
+        pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _telemetry_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Keep test telemetry out of the working tree.
+    monkeypatch.setenv("BCP_TELEMETRY_DIR", str(tmp_path_factory.getbasetemp() / "telemetry"))

@@ -1,0 +1,102 @@
+"""A pool of worker processes forming one gloo process group, reused across tests.
+
+Importing torch and joining a process group cost seconds per process, so each world size
+is started once per test session and then runs many checks: ``pool.run(fn, *args)`` calls
+the module-level function ``fn`` on every rank and returns the per-rank results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=90))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, name, args, kwargs = pickle.loads(task)
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            payload = (True, fn(*args, **kwargs))
+        except BaseException:  # report everything, including assertion failures
+            payload = (False, traceback.format_exc())
+        try:
+            results.put((rank, pickle.dumps(payload)))
+        except Exception:
+            results.put((rank, pickle.dumps((False, traceback.format_exc()))))
+    dist.destroy_process_group()
+
+
+class WorldPool:
+    def __init__(self, world_size: int, timeout: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.timeout = timeout
+        port = free_port()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.broken: str | None = None
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        if self.broken:
+            raise RuntimeError(f"worker pool is unusable: {self.broken}")
+        task = pickle.dumps((fn.__module__, fn.__name__, args, kwargs))
+        for q in self._tasks:
+            q.put(task)
+        out: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        while len(out) + len(failures) < self.world_size:
+            try:
+                rank, raw = self._results.get(timeout=self.timeout)
+            except queue.Empty:
+                self.broken = f"{fn.__name__} timed out after {self.timeout}s"
+                self.close()
+                raise TimeoutError(self.broken) from None
+            ok, value = pickle.loads(raw)
+            (out if ok else failures)[rank] = value
+        if failures:
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise AssertionError(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{detail}")
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
