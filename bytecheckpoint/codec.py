@@ -33,7 +33,7 @@ def _default(obj: Any) -> msgpack.ExtType:
                 "put sharded tensors in a module or optimizer, or call .full_tensor() first"
             )
         t = obj.detach().to("cpu").contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return msgpack.ExtType(_EXT_TENSOR, _pack([dtype_name(t.dtype), list(t.shape), raw]))
     if isinstance(obj, np.ndarray):
         a = np.ascontiguousarray(obj)

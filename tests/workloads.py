@@ -154,3 +154,23 @@ def reference_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 def env_rank() -> int:
     return int(os.environ["RANK"])
+
+
+def mismatched_save(root: str) -> str:
+    """Rank 1 offers a tensor with another shape: every rank must get the error, none hang."""
+    module = nn.Linear(4, 4 if dist.get_rank() == 0 else 5)
+    try:
+        bcp.save(f"{root}/bad", {"model": module}, framework="ddp")
+    except bcp.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def failing_object_save(root: str) -> str:
+    """Rank 1 cannot pack its extra state: the rank's own error on rank 1, a summary elsewhere."""
+    extra = {"ok": 1} if dist.get_rank() == 0 else {"bad": object()}
+    try:
+        bcp.save(f"{root}/bad2", {"model": nn.Linear(2, 2), "extra": extra}, framework="ddp")
+    except bcp.CheckpointError as exc:
+        return type(exc).__name__
+    return "saved"

@@ -20,7 +20,7 @@ import torch
 
 from telemetry import set_context, span
 
-from .. import codec
+from .. import codec, errors
 from ..checksums import DEFAULT_CHUNK_BYTES
 from ..comm import Communicator, Outcome, raise_failures
 from ..dtypes import dtype_name, safetensors_code
@@ -199,11 +199,23 @@ def _failures(outcomes: list[Outcome]) -> Outcome | None:
     return Outcome(value=bad, error=f"failed on {len(bad)} rank(s):\n{lines}")
 
 
+def _coordinator_failure(exc: BaseException) -> Outcome:
+    err = Outcome.failure(exc)
+    return Outcome(value={0: err.error}, error=str(exc), error_type=type(exc).__name__)
+
+
 def _raise_if_failed(outcome: Outcome, local_error: BaseException | None, what: str) -> None:
+    """Raise this rank's own error, else the coordinator's (same type), else a summary."""
     if outcome.error is None:
         return
     if local_error is not None:
         raise local_error
+    cls = getattr(errors, outcome.error_type or "", None)
+    simple = (errors.CheckpointError, errors.MissingKeysError, errors.RankFailedError)
+    if isinstance(cls, type) and issubclass(cls, errors.CheckpointError) and not issubclass(
+        cls, simple[1:]
+    ):
+        raise cls(outcome.error)
     failures = outcome.value if isinstance(outcome.value, dict) else {-1: outcome.error}
     raise RankFailedError(f"{what} {outcome.error}", failures)
 
@@ -262,8 +274,7 @@ def save(
                         per_rank = [Outcome(value=_Assignment(staging, save_id, items))
                                     for items in global_plan.assignments]
                     except Exception as exc:
-                        failed = Outcome.failure(exc)
-                        failed = Outcome(value={0: failed.error}, error=f"on the coordinator: {failed.error}")
+                        local_error, failed = exc, _coordinator_failure(exc)
                 if failed is not None:
                     per_rank = [failed] * comm.world_size
             received = comm.scatter(per_rank)
@@ -301,8 +312,7 @@ def save(
                         update_latest(storage, path, step, assignment.save_id)
                         result = Outcome(value=(meta.total_bytes, len(raw), len(meta.files)))
                     except Exception as exc:
-                        err = Outcome.failure(exc)
-                        result = Outcome(value={0: err.error}, error=f"on the coordinator: {err.error}")
+                        local_error, result = exc, _coordinator_failure(exc)
                 if result.error is not None:
                     storage.delete(assignment.staging)
             final = comm.broadcast(result)
