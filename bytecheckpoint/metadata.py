@@ -18,9 +18,9 @@ import msgpack
 import numpy as np
 
 from . import __version__
+from .checksums import CHECKSUM_ALGORITHM, chunk_count
 from .dtypes import dtype_from_name, itemsize
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
-from .checksums import CHECKSUM_ALGORITHM, chunk_count
 from .sharding import Box
 
 FORMAT_NAME = "bytecheckpoint"

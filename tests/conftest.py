@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Test telemetry goes to a throwaway spool, set before anything imports telemetry.
+os.environ.setdefault("BCP_TELEMETRY_DIR", tempfile.mkdtemp(prefix="bcp-test-telemetry-"))
 
 from tests.dist import WorldPool  # noqa: E402
 
@@ -26,9 +29,3 @@ def world() -> Iterator:
     yield get
     for pool in _POOLS.values():
         pool.close()
-
-
-@pytest.fixture(autouse=True)
-def _telemetry_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Keep test telemetry out of the working tree.
-    monkeypatch.setenv("BCP_TELEMETRY_DIR", str(tmp_path_factory.getbasetemp() / "telemetry"))

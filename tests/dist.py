@@ -8,6 +8,7 @@ the module-level function ``fn`` on every rank and returns the per-rank results.
 from __future__ import annotations
 
 import importlib
+import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -15,8 +16,6 @@ import socket
 import traceback
 from datetime import timedelta
 from typing import Any
-
-import multiprocessing as mp
 
 
 def free_port() -> int:

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bytecheckpoint as bcp
-from demo.model import GPT, GPTConfig, batch, loss_fn
 from bytecheckpoint.state import clean_fqn
+from demo.model import GPT, GPTConfig, batch, loss_fn
 
 CFG = GPTConfig()
 

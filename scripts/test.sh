@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test suite: lint, then every test (multi-process ones run real gloo process groups).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/env.sh
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,293 @@
+"""Bounded in-memory queue drained by one background thread into the configured sink.
+
+Callers only ever ``put_nowait``: a full queue drops the event and counts it, because
+telemetry must never slow down or stall checkpointing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from telemetry.sinks.base import Sink
+
+DEFAULT_QUEUE_SIZE = 65536
+# Large enough to amortise per-write syscalls, small enough to keep write latency low.
+BATCH_MAX = 1024
+# After waking, the writer waits this long for a batch to build up. Without it every
+# put_nowait() would hand the GIL to the writer for a one-event batch, which multiplies
+# the per-span cost seen by callers. flush() and shutdown() cut the wait short.
+LINGER_S = 0.05
+
+
+class Emitter:
+    def __init__(self, maxsize: int = DEFAULT_QUEUE_SIZE) -> None:
+        self._maxsize = maxsize
+        self._sink: Sink | None = None
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        # Everything here is per-process: re-created from scratch in a forked child.
+        self._queue: queue.Queue[Any] = queue.Queue(self._maxsize)
+        self._thread: threading.Thread | None = None
+        self._stop_token: object | None = None
+        self._start_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._sink_lock = threading.Lock()
+        # A plain Lock (not a Condition) keeps the producer's bookkeeping cheap.
+        self._counts = threading.Lock()
+        self._emitted = 0
+        self._written = 0
+        self._dropped = 0
+        self._sink_errors = 0
+
+    # -- producer side -------------------------------------------------------------
+
+    def emit(self, event: dict[str, Any]) -> None:
+        if self._thread is None and not self._ensure_started():
+            with self._counts:
+                self._dropped += 1
+            return
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            with self._counts:
+                self._dropped += 1
+            return
+        with self._counts:
+            self._emitted += 1
+
+    def _ensure_started(self) -> bool:
+        with self._start_lock:
+            if self._thread is not None:
+                return True
+            token = object()
+            thread = threading.Thread(
+                target=self._run, args=(token,), name="bcp-telemetry-writer", daemon=True
+            )
+            try:
+                thread.start()
+            except RuntimeError:
+                # e.g. "can't create new thread at interpreter shutdown".
+                return False
+            self._thread = thread
+            self._stop_token = token
+            return True
+
+    # -- writer thread -------------------------------------------------------------
+
+    def _run(self, token: object) -> None:
+        q = self._queue
+        try:
+            while True:
+                item = q.get()
+                if q.qsize() < BATCH_MAX and not self._wake.is_set():
+                    self._wake.wait(LINGER_S)
+                self._wake.clear()
+                if not self._drain(q, item, token):
+                    return
+        finally:
+            with self._start_lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                    self._stop_token = None
+            # Events that raced with the stop token must not be stranded.
+            if not q.empty() and q is self._queue:
+                self._ensure_started()
+
+    def _drain(self, q: queue.Queue[Any], item: Any, token: object) -> bool:
+        """Write everything queued right now; False once this thread's stop token shows up."""
+        batch: list[dict[str, Any]] = []
+        while True:
+            if isinstance(item, dict):
+                batch.append(item)
+                if len(batch) >= BATCH_MAX:
+                    self._write(batch)
+                    batch = []
+            elif isinstance(item, threading.Event):
+                # A flush() marker: everything queued before it must be written first.
+                if batch:
+                    self._write(batch)
+                    batch = []
+                item.set()
+            elif item is token:
+                if batch:
+                    self._write(batch)
+                return False
+            # Anything else is a stale stop token left behind by an earlier writer.
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                break
+        if batch:
+            self._write(batch)
+        return True
+
+    def _write(self, batch: list[dict[str, Any]]) -> None:
+        ok = True
+        try:
+            with self._sink_lock:
+                sink = self._sink
+                if sink is None:
+                    raise RuntimeError("no telemetry sink configured")
+                sink.emit(batch)
+        except Exception:  # noqa: BLE001 - sinks are third-party code
+            # A broken sink loses this batch but must never reach instrumented code.
+            ok = False
+        with self._counts:
+            if ok:
+                self._written += len(batch)
+            else:
+                self._sink_errors += 1
+
+    # -- control -------------------------------------------------------------------
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every event queued before the call reached the sink; False on timeout.
+
+        Events the sink rejected count as handled (see ``sink_errors`` in stats()).
+        """
+        deadline = time.monotonic() + timeout
+        if self._thread is not None or not self._queue.empty():
+            if not self._ensure_started():
+                return False
+            # FIFO order: once the writer reaches the marker, everything before it is done.
+            marker = threading.Event()
+            try:
+                self._queue.put(marker, timeout=timeout)
+            except queue.Full:
+                return False
+            self._wake.set()
+            if not marker.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return self._flush_sink(deadline)
+
+    def _flush_sink(self, deadline: float) -> bool:
+        if not self._sink_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            if self._sink is not None:
+                self._sink.flush()
+        except Exception:  # noqa: BLE001 - sink failures are counted, never raised
+            with self._counts:
+                self._sink_errors += 1
+            return False
+        finally:
+            self._sink_lock.release()
+        return True
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Flush, stop the writer thread and close the sink. Later events restart it."""
+        deadline = time.monotonic() + timeout
+        ok = self.flush(timeout)
+        with self._start_lock:
+            thread, token = self._thread, self._stop_token
+        if thread is not None and thread.is_alive():
+            try:
+                self._queue.put(token, timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                ok = False
+            self._wake.set()
+            thread.join(max(0.0, deadline - time.monotonic()))
+            ok = ok and not thread.is_alive()
+        if not self._sink_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            if self._sink is not None:
+                self._sink.close()
+        except Exception:  # noqa: BLE001 - sink failures are counted, never raised
+            with self._counts:
+                self._sink_errors += 1
+            ok = False
+        finally:
+            self._sink_lock.release()
+        return ok
+
+    def set_sink(self, sink: Sink, timeout: float = 5.0) -> None:
+        """Drain queued events into the current sink, then switch and close the old one."""
+        deadline = time.monotonic() + timeout
+        self.flush(timeout)
+        if not self._sink_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            # The old sink is stuck inside emit(): switch anyway, but closing it under
+            # the writer's feet is unsafe, so leave it to the garbage collector.
+            self._sink = sink
+            return
+        try:
+            old, self._sink = self._sink, sink
+        finally:
+            self._sink_lock.release()
+        if old is not None and old is not sink:
+            try:
+                old.flush()
+                old.close()
+            except Exception:  # noqa: BLE001 - sink failures are counted, never raised
+                with self._counts:
+                    self._sink_errors += 1
+
+    def get_sink(self) -> Sink | None:
+        return self._sink
+
+    def set_queue_size(self, maxsize: int) -> None:
+        if maxsize <= 0:
+            raise ValueError("queue size must be positive")
+        self._maxsize = maxsize
+        q = self._queue
+        # Resizing in place avoids swapping queues under concurrent producers.
+        with q.mutex:
+            q.maxsize = maxsize
+            q.not_full.notify_all()
+
+    def stats(self) -> dict[str, int]:
+        with self._counts:
+            return {
+                "emitted": self._emitted,
+                "written": self._written,
+                "dropped": self._dropped,
+                "sink_errors": self._sink_errors,
+                "queue_size": self._queue.qsize(),
+            }
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's writer thread does not exist here and its locks may be held;
+        # queued parent events would be written twice. Start over, lazily.
+        self._init_runtime()
+
+
+EMITTER = Emitter()
+
+
+def emit(event: dict[str, Any]) -> None:
+    """Queue one event without blocking; dropped (and counted) when the queue is full."""
+    EMITTER.emit(event)
+
+
+def flush(timeout: float = 5.0) -> bool:
+    """Wait until everything queued so far is written (or ``timeout``); True on success."""
+    return EMITTER.flush(timeout)
+
+
+def shutdown(timeout: float = 5.0) -> bool:
+    """Flush, stop the background writer and close the sink."""
+    return EMITTER.shutdown(timeout)
+
+
+def stats() -> dict[str, int]:
+    """Counters for this process: emitted, written, dropped, sink_errors, queue_size."""
+    return EMITTER.stats()
+
+
+def _shutdown_at_exit() -> None:
+    # Nothing useful can be done about a failure this late; never spoil interpreter exit.
+    with contextlib.suppress(Exception):
+        EMITTER.shutdown()
+
+
+atexit.register(_shutdown_at_exit)
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=EMITTER._after_fork_in_child)

@@ -1,0 +1,247 @@
+"""Spans: timed, nested units of work that each become one flat telemetry event."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import numbers
+import os
+import random
+import time
+from collections.abc import Callable
+from contextvars import ContextVar, Token
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+
+from telemetry.config import settings
+from telemetry.context import CONTEXT_KEYS, event_context
+from telemetry.emitter import EMITTER
+
+if TYPE_CHECKING:  # typing.Self needs Python 3.11 at runtime
+    from typing import Self
+
+# Span fields that get their own top-level column instead of living under "attrs".
+PROMOTED_KEYS: tuple[str, ...] = ("bytes", "path", "backend", "op", "attempt", "phase")
+MAX_ERROR_CHARS = 500
+
+_TOP_LEVEL = frozenset(PROMOTED_KEYS) | frozenset(CONTEXT_KEYS)
+_SCALARS = (str, int, bool, type(None))
+_MAX_DEPTH = 8
+
+# Version 4 / RFC 4122 variant bits, applied by hand: uuid.uuid4() costs ~2 us per call
+# (a urandom syscall plus UUID object construction), a large share of a span's cost.
+_UUID4_CLEAR = ~((0xF << 76) | (0x3 << 62))
+_UUID4_SET = (0x4 << 76) | (0x2 << 62)
+# A private generator seeded from os.urandom: training code routinely calls
+# random.seed(), which must not make every rank produce the same event ids.
+_rng = random.Random()
+_getrandbits = _rng.getrandbits
+if hasattr(os, "register_at_fork"):
+    # Without a reseed a forked child would replay the parent's id sequence.
+    os.register_at_fork(after_in_child=_rng.seed)
+# Values of these types go into events as they are; everything else is sanitised.
+_PLAIN_TYPES = frozenset({str, int, bool, type(None)})
+
+_current: ContextVar[Span | None] = ContextVar("bcp_telemetry_span", default=None)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
+    """Coerce ``value`` into something json.dumps accepts without surprises."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, float):
+        # NaN/Infinity are not valid JSON and would break strict readers downstream.
+        return value if math.isfinite(value) else str(value)
+    if depth >= _MAX_DEPTH:
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item, depth + 1) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, numbers.Integral):  # numpy / torch integer scalars
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return _jsonable(float(value), depth)
+    return str(value)
+
+
+def _new_event_id() -> str:
+    """Same value space and format as ``uuid.uuid4().hex``."""
+    return f"{_getrandbits(128) & _UUID4_CLEAR | _UUID4_SET:032x}"
+
+
+def _format_error(exc_type: type[BaseException], exc: BaseException | None) -> str:
+    try:
+        message = str(exc) if exc is not None else ""
+    except Exception:  # noqa: BLE001 - a broken __str__ must not mask the real error
+        message = "<unprintable exception>"
+    return f"{exc_type.__name__}: {message}"[:MAX_ERROR_CHARS]
+
+
+class Span:
+    """One unit of work; use via ``with span(...) as s`` and ``s.set(...)``.
+
+    A Span is single-use: enter it once.
+    """
+
+    __slots__ = (
+        "_active",
+        "_parent",
+        "_t0",
+        "_token",
+        "duration_s",
+        "error",
+        "event_id",
+        "fields",
+        "name",
+        "outcome",
+        "parent_id",
+        "ts",
+    )
+
+    def __init__(self, name: str, fields: dict[str, Any]) -> None:
+        self.name = name
+        self.fields = fields
+        self.event_id: str | None = None
+        self.parent_id: str | None = None
+        self.ts: float | None = None
+        self.duration_s: float | None = None
+        self.outcome: str | None = None
+        self.error: str | None = None
+        self._parent: Span | None = None
+        self._token: Token[Span | None] | None = None
+        self._t0 = 0.0
+        self._active = False
+
+    def set(self, **fields: Any) -> Span:
+        """Add or replace fields, e.g. byte counts only known at the end of the work."""
+        self.fields.update(fields)
+        return self
+
+    def __enter__(self) -> Self:
+        if not settings.enabled:
+            return self
+        self._active = True
+        parent = _current.get()
+        self._parent = parent
+        self.parent_id = parent.event_id if parent is not None else None
+        self.event_id = _new_event_id()
+        self._token = _current.set(self)
+        self.ts = time.time()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if not self._active:
+            return False
+        self.duration_s = time.perf_counter() - self._t0
+        self._active = False
+        self._restore_parent()
+        if exc_type is None:
+            self.outcome = "ok"
+        else:
+            self.outcome = "error"
+            self.error = _format_error(exc_type, exc)
+        # Telemetry must never change the behaviour of the code it observes.
+        with contextlib.suppress(Exception):
+            EMITTER.emit(self.to_event())
+        # Never swallow the exception: the caller sees exactly what the body raised.
+        return False
+
+    def _restore_parent(self) -> None:
+        token, self._token = self._token, None
+        if token is None:
+            return
+        try:
+            _current.reset(token)
+        except ValueError:
+            # Exited in a different context (e.g. another asyncio task) than entered.
+            if _current.get() is self:
+                _current.set(self._parent)
+
+    def to_event(self) -> dict[str, Any]:
+        """Build the flat event dict (see the package docs for the schema)."""
+        columns, extras = event_context()
+        event: dict[str, Any] = {
+            "event_id": self.event_id,
+            "name": self.name,
+            "ts": self.ts,
+            "duration_s": self.duration_s,
+            "outcome": self.outcome,
+            "error": self.error,
+            "parent_id": self.parent_id,
+        }
+        event.update(columns)
+        # Extra set_context() fields travel with the event but outside the fixed columns.
+        attrs: dict[str, Any] = dict(extras) if extras else {}
+        for key, value in self.fields.items():
+            if type(value) not in _PLAIN_TYPES:
+                value = _jsonable(value)
+            if key in _TOP_LEVEL:
+                event[key] = value
+            else:
+                attrs[key] = value
+        event["attrs"] = attrs
+        return event
+
+
+def span(name: str, /, **fields: Any) -> Span:
+    """Context manager timing a block: ``with span("save", bytes=n) as s: ...``."""
+    return Span(name, fields)
+
+
+def current_span() -> Span | None:
+    """The innermost active span of this thread/task, e.g. to ``set()`` from a helper."""
+    return _current.get()
+
+
+@overload
+def timed(name: Callable[P, R], /) -> Callable[P, R]: ...
+
+
+@overload
+def timed(
+    name: str | None = None, /, **fields: Any
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+
+def timed(name: Any = None, /, **fields: Any) -> Any:
+    """Decorator wrapping each call in ``span(name, **fields)``.
+
+    ``name`` defaults to the function's qualified name; bare ``@timed`` also works.
+    Coroutine functions are timed until the awaited result is ready.
+    """
+
+    def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        span_name = name if isinstance(name, str) else func.__qualname__
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+                with Span(span_name, dict(fields)):
+                    return await func(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            # A fresh dict per call so Span.set() in one call cannot leak into the next.
+            with Span(span_name, dict(fields)):
+                return func(*args, **kwargs)
+
+        return wrapper
+
+    if callable(name):
+        return decorate(name)
+    return decorate
