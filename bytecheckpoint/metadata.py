@@ -19,7 +19,7 @@ import numpy as np
 
 from . import __version__
 from .checksums import CHECKSUM_ALGORITHM, chunk_count
-from .dtypes import dtype_from_name, itemsize
+from .dtypes import itemsize
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .sharding import Box
 
@@ -134,7 +134,8 @@ class CheckpointMetadata:
         if i is None:
             return []
         b = self.boxes
-        lo, hi = np.searchsorted(b.tensor, [i, i + 1])
+        # Keys in the column's own dtype: a mixed-dtype search would copy the whole column.
+        lo, hi = np.searchsorted(b.tensor, np.array([i, i + 1], dtype=b.tensor.dtype))
         out = []
         for j in range(int(lo), int(hi)):
             nd = len(self.tensors[i].shape)
@@ -187,7 +188,8 @@ class CheckpointMetadata:
             "tensors": {
                 "key": [t.key for t in self.tensors],
                 "dtype": [t.dtype for t in self.tensors],
-                "shape": [list(t.shape) for t in self.tensors],
+                "ndim": _arr(np.array([len(t.shape) for t in self.tensors], dtype=np.int64), "<i4"),
+                "shape": _arr(np.array([d for t in self.tensors for d in t.shape], dtype=np.int64), "<i8"),
             },
             "boxes": {
                 "tensor": _arr(b.tensor, "<i4"),
@@ -258,12 +260,22 @@ def _decode(doc: dict[str, Any], source: str) -> CheckpointMetadata:
         raise CorruptCheckpointError(f"{source}: duplicate storage file names")
 
     t = doc["tensors"]
-    tensors = []
-    for key, dtype, shape in zip(t["key"], t["dtype"], t["shape"], strict=True):
-        dtype_from_name(dtype)  # allowlist
-        if not isinstance(key, str) or any((not isinstance(s, int)) or s < 0 for s in shape):
-            raise CorruptCheckpointError(f"{source}: bad tensor entry {key!r} {shape!r}")
-        tensors.append(TensorMeta(key, dtype, tuple(shape)))
+    keys, dtypes = t["key"], t["dtype"]
+    tensor_ndim = np.frombuffer(t["ndim"], dtype="<i4").astype(np.int64)
+    shape_flat = np.frombuffer(t["shape"], dtype="<i8").astype(np.int64)
+    if not (len(keys) == len(dtypes) == len(tensor_ndim)) or int(tensor_ndim.sum()) != len(shape_flat):
+        raise CorruptCheckpointError(f"{source}: tensor columns have inconsistent sizes")
+    if np.any(shape_flat < 0) or np.any(tensor_ndim < 0):
+        raise CorruptCheckpointError(f"{source}: a tensor has a negative shape")
+    if not all(isinstance(k, str) for k in keys):
+        raise CorruptCheckpointError(f"{source}: a tensor key is not a string")
+    sizes_by_dtype = {d: itemsize(d) for d in set(dtypes)}  # allowlist check, once per dtype
+    shape_start = np.concatenate([[0], np.cumsum(tensor_ndim)[:-1]]).astype(np.int64)
+    dims = shape_flat.tolist()
+    tensors = [
+        TensorMeta(k, d, tuple(dims[s : s + n]))
+        for k, d, s, n in zip(keys, dtypes, shape_start.tolist(), tensor_ndim.tolist())
+    ]
 
     raw = doc["boxes"]
     tensor_col = np.frombuffer(raw["tensor"], dtype="<i4").astype(np.int32)
@@ -272,8 +284,7 @@ def _decode(doc: dict[str, Any], source: str) -> CheckpointMetadata:
         raise CorruptCheckpointError(f"{source}: box refers to an unknown tensor")
     if n and np.any(np.diff(tensor_col) < 0):
         raise CorruptCheckpointError(f"{source}: box table is not sorted by tensor")
-    ndims = np.array([len(x.shape) for x in tensors], dtype=np.int64)
-    box_ndim = ndims[tensor_col] if n else np.zeros(0, dtype=np.int64)
+    box_ndim = tensor_ndim[tensor_col] if n else np.zeros(0, dtype=np.int64)
     dim_start = np.concatenate([[0], np.cumsum(box_ndim)[:-1]]).astype(np.int64) if n else box_ndim
     offsets = np.frombuffer(raw["offsets"], dtype="<i8").astype(np.int64)
     lengths = np.frombuffer(raw["lengths"], dtype="<i8").astype(np.int64)
@@ -294,7 +305,8 @@ def _decode(doc: dict[str, Any], source: str) -> CheckpointMetadata:
 
     table = BoxTable(tensor_col, offsets, lengths, dim_start, file_col, byte_offset,
                      byte_length, checksum_start, checksums)
-    _check_boxes(table, tensors, files, source)
+    tensor_itemsize = np.array([sizes_by_dtype[d] for d in dtypes], dtype=np.int64)
+    _check_boxes(table, shape_flat, shape_start, tensor_itemsize, files, source)
 
     objects = []
     for key, rank, fname, off, length, sums in doc["objects"]:
@@ -321,24 +333,24 @@ def _decode(doc: dict[str, Any], source: str) -> CheckpointMetadata:
     )
 
 
-def _check_boxes(b: BoxTable, tensors: list[TensorMeta], files: list[FileMeta], source: str) -> None:
+def _check_boxes(b: BoxTable, shape_flat: np.ndarray, shape_start: np.ndarray,
+                 tensor_itemsize: np.ndarray, files: list[FileMeta], source: str) -> None:
     """Vectorised bounds checks: boxes inside their tensor, byte ranges inside their file."""
     if not len(b):
         return
     if np.any(b.offsets < 0) or np.any(b.lengths < 0):
         raise CorruptCheckpointError(f"{source}: negative box offsets or lengths")
-    shapes = np.concatenate([np.array(t.shape, dtype=np.int64) for t in tensors] or [np.zeros(0)])
-    shape_start = np.concatenate([[0], np.cumsum([len(t.shape) for t in tensors])[:-1]])
     ndim_per_box = np.diff(np.append(b.dim_start, len(b.offsets)))
     dim_owner = np.repeat(np.arange(len(b)), ndim_per_box)
     dim_pos = np.arange(len(b.offsets)) - b.dim_start[dim_owner]
     global_dim = shape_start[b.tensor[dim_owner]] + dim_pos
-    if len(b.offsets) and np.any(b.offsets + b.lengths > shapes[global_dim.astype(np.int64)]):
+    if len(b.offsets) and np.any(b.offsets + b.lengths > shape_flat[global_dim]):
         raise CorruptCheckpointError(f"{source}: a box lies outside its tensor's shape")
     numel = np.ones(len(b), dtype=np.int64)
-    np.multiply.at(numel, dim_owner, b.lengths)
-    sizes = np.array([itemsize(t.dtype) for t in tensors], dtype=np.int64)[b.tensor]
-    if np.any(numel * sizes != b.byte_length):
+    has_dims = ndim_per_box > 0  # 0-dim tensors have one element and no lengths
+    if has_dims.any():
+        numel[has_dims] = np.multiply.reduceat(b.lengths, b.dim_start[has_dims])
+    if np.any(numel * tensor_itemsize[b.tensor] != b.byte_length):
         raise CorruptCheckpointError(f"{source}: a box's byte length disagrees with its shape")
     file_sizes = np.array([f.size for f in files], dtype=np.int64)[b.file]
     if np.any(b.byte_offset < 0) or np.any(b.byte_offset + b.byte_length > file_sizes):
