@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .errors import StateMismatchError, UnsupportedStateError
 
-# Prefixes that wrappers add to parameter names but that are not part of the model.
-_WRAPPER_SEGMENTS = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+# Names that wrappers (torch.compile, activation checkpointing, FSDP v1) insert into FQNs;
+# they are reserved by PyTorch, so dropping them anywhere cannot collide with a user name.
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 KIND_MODEL = "model"
 KIND_OPTIM = "optim"
@@ -28,9 +30,19 @@ KIND_EXTRA = "extra"
 
 
 def clean_fqn(name: str) -> str:
-    """Drop wrapper segments (DDP ``module.``, ``torch.compile`` ``_orig_mod.``...)."""
-    parts = name.split(".")
-    return ".".join(p for p in parts if f"{p}." not in _WRAPPER_SEGMENTS)
+    """Drop wrapper segments (``torch.compile``'s ``_orig_mod``, checkpoint wrappers)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The user's model inside DDP / ``torch.compile`` wrappers, so FQNs match any layout."""
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod
+        else:
+            return module
 
 
 @dataclass
@@ -63,7 +75,8 @@ def _module_for(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module],
 
 
 def param_fqns(module: nn.Module) -> dict[int, str]:
-    return {id(p): clean_fqn(name) for name, p in module.named_parameters(remove_duplicate=False)}
+    named = unwrap(module).named_parameters(remove_duplicate=False)
+    return {id(p): clean_fqn(name) for name, p in named}
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -95,6 +108,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _flatten_module(key: str, module: nn.Module, flat: FlatState) -> None:
     flat.kinds[key] = KIND_MODEL
+    module = unwrap(module)
     raw_names: dict[str, str] = {}
     for name, value in module.state_dict().items():
         fqn = clean_fqn(name)

@@ -76,3 +76,21 @@ def test_memory_backend_round_trip():
     assert result.step == 1
     assert_same_state(ref, w.full_state(fresh, fresh_optim))
     assert bcp.verify("mem://jobs/a") == []
+
+
+def test_wrapper_names_are_dropped_but_user_names_kept(tmp_path):
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = torch.nn.Linear(2, 3)  # a user submodule that happens to be "module"
+            self.head = torch.nn.Linear(3, 1)
+
+    torch.manual_seed(0)
+    saved = Model()
+    bcp.save(str(tmp_path / "c"), {"model": torch.compile(saved)})
+    storage, path = resolve(str(tmp_path / "c"))
+    keys = [t.key for t in read_metadata(storage, path).tensors]
+    assert keys == ["model/head.bias", "model/head.weight", "model/module.bias", "model/module.weight"]
+    plain = Model()
+    bcp.load(str(tmp_path / "c"), {"model": plain})
+    assert torch.equal(plain.module.weight, saved.module.weight)
