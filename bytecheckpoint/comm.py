@@ -113,16 +113,24 @@ class Communicator:
         raise_failures(outcomes, what, local_error)
 
 
+def summarize_failures(outcomes: list[Outcome]) -> Outcome | None:
+    """One outcome naming every failed rank (``value``: rank -> error), or None."""
+    bad = {i: o.error for i, o in enumerate(outcomes) if o.error is not None}
+    if not bad:
+        return None
+    lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(bad.items()))
+    return Outcome(value=bad, error=f"failed on {len(bad)} rank(s):\n{lines}")
+
+
 def raise_failures(outcomes: list[Outcome], what: str, local_error: BaseException | None = None) -> None:
     """Raise one error naming every failed rank; re-raise the local error type when it is ours."""
-    failures = {i: o.error for i, o in enumerate(outcomes) if o.error is not None}
-    if not failures:
+    summary = summarize_failures(outcomes)
+    if summary is None:
         return
     # A rank that failed itself raises its own, more specific error.
-    if local_error is not None and isinstance(local_error, CheckpointError):
+    if isinstance(local_error, CheckpointError):
         raise local_error
-    lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failures.items()))
-    error = RankFailedError(f"{what} failed on {len(failures)} rank(s):\n{lines}", failures)
+    error = RankFailedError(f"{what} {summary.error}", summary.value)
     if local_error is not None:
         raise error from local_error
     raise error

@@ -168,11 +168,15 @@ class Emitter:
         return self._flush_sink(deadline)
 
     def _flush_sink(self, deadline: float) -> bool:
+        return self._call_sink("flush", deadline)
+
+    def _call_sink(self, method: str, deadline: float) -> bool:
+        """Call ``sink.flush``/``sink.close`` under the sink lock; count, never raise, failures."""
         if not self._sink_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return False
         try:
             if self._sink is not None:
-                self._sink.flush()
+                getattr(self._sink, method)()
         except Exception:  # noqa: BLE001 - sink failures are counted, never raised
             with self._counts:
                 self._sink_errors += 1
@@ -195,18 +199,7 @@ class Emitter:
             self._wake.set()
             thread.join(max(0.0, deadline - time.monotonic()))
             ok = ok and not thread.is_alive()
-        if not self._sink_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            return False
-        try:
-            if self._sink is not None:
-                self._sink.close()
-        except Exception:  # noqa: BLE001 - sink failures are counted, never raised
-            with self._counts:
-                self._sink_errors += 1
-            ok = False
-        finally:
-            self._sink_lock.release()
-        return ok
+        return self._call_sink("close", deadline) and ok
 
     def set_sink(self, sink: Sink, timeout: float = 5.0) -> None:
         """Drain queued events into the current sink, then switch and close the old one."""

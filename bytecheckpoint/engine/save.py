@@ -22,7 +22,7 @@ from telemetry import set_context, span
 
 from .. import codec, errors
 from ..checksums import DEFAULT_CHUNK_BYTES
-from ..comm import Communicator, Outcome, raise_failures
+from ..comm import Communicator, Outcome, summarize_failures
 from ..dtypes import dtype_name, safetensors_code
 from ..errors import CheckpointExistsError, RankFailedError
 from ..integrity import commit, split_checkpoint_path, staging_path, stale_staging_dirs, update_latest
@@ -191,14 +191,6 @@ def build_metadata(
     )
 
 
-def _failures(outcomes: list[Outcome]) -> Outcome | None:
-    bad = {i: o.error for i, o in enumerate(outcomes) if o.error is not None}
-    if not bad:
-        return None
-    lines = "\n".join(f"  rank {r}: {m}" for r, m in sorted(bad.items()))
-    return Outcome(value=bad, error=f"failed on {len(bad)} rank(s):\n{lines}")
-
-
 def _coordinator_failure(exc: BaseException) -> Outcome:
     err = Outcome.failure(exc)
     return Outcome(value={0: err.error}, error=str(exc), error_type=type(exc).__name__)
@@ -255,7 +247,7 @@ def save(
             global_plan: GlobalSavePlan | None = None
             if comm.is_coordinator:
                 assert gathered is not None
-                failed = _failures(gathered)
+                failed = summarize_failures(gathered)
                 if failed is None:
                     try:
                         plans = [o.value[0] for o in gathered]
@@ -298,7 +290,7 @@ def save(
             result: Outcome | None = None
             if comm.is_coordinator:
                 assert gathered is not None and global_plan is not None
-                result = _failures(gathered)
+                result = summarize_failures(gathered)
                 if result is None:
                     try:
                         meta = build_metadata(
@@ -325,4 +317,4 @@ def save(
                       time.perf_counter() - t0, phases)
 
 
-__all__ = ["SaveResult", "save", "build_metadata", "raise_failures"]
+__all__ = ["SaveResult", "save", "build_metadata"]
