@@ -7,6 +7,8 @@ Modules and optimizers are saved tensor by tensor in a layout-free form; anythin
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 from .checksums import DEFAULT_CHUNK_BYTES
@@ -26,6 +28,7 @@ def save(
     process_group: Any = None,
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fqn_map: Callable[[str], str] | None = None,
 ) -> SaveResult:
     """Save ``state`` to the checkpoint directory ``path``; every rank must call it.
 
@@ -33,15 +36,20 @@ def save(
         path: a local path, ``file://...`` or ``mem://...``. The checkpoint appears there only
             once every rank has written its files (atomic commit); ``<parent>/latest`` then
             names it.
-        framework: ``"ddp"``, ``"fsdp2"``, ``"dtensor"`` or ``"single"``; ``None`` detects it.
+        framework: ``"ddp"``, ``"fsdp"`` (v1), ``"fsdp2"``, ``"dtensor"`` (TP, 2-D meshes),
+            ``"manual"`` (``TensorShard`` / Megatron ``ShardedTensor`` dicts) or ``"single"``;
+            ``None`` detects it.
         step: the training step, recorded in the metadata and the ``latest`` pointer.
         user_metadata: small JSON-like values stored in the metadata.
         process_group: the ranks taking part (default: the default group, or none).
         overwrite: replace a committed checkpoint already at ``path``.
         chunk_bytes: checksum granularity in bytes.
+        fqn_map: renames this rank's parameter names to global ones, e.g. a pipeline stage's
+            ``layers.0`` to ``layers.8`` (see :func:`bytecheckpoint.pipeline_fqn_map`).
     """
     return _save(path, state, framework=framework, step=step, user_metadata=user_metadata,
-                 process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes)
+                 process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes,
+                 fqn_map=fqn_map)
 
 
 def load(
@@ -52,12 +60,26 @@ def load(
     strict: bool = True,
     process_group: Any = None,
     verify: bool = True,
+    fqn_map: Callable[[str], str] | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding as needed.
 
     ``path`` is a checkpoint directory or a root whose ``latest`` pointer names one. With
     ``strict=False``, keys that only one side has are reported in the result instead of
-    raising. ``verify`` checks the checksum of every byte read.
+    raising. ``verify`` checks the checksum of every byte read. ``fqn_map`` renames this
+    rank's parameter names to global ones, as in :func:`save`.
     """
     return _load(path, state, framework=framework, strict=strict, process_group=process_group,
-                 verify=verify)
+                 verify=verify, fqn_map=fqn_map)
+
+
+def pipeline_fqn_map(offset: int, prefix: str = "layers.") -> Callable[[str], str]:
+    """Map a pipeline stage's local layer numbers to global ones: with ``offset=8``,
+    ``layers.0.attn.weight`` becomes ``layers.8.attn.weight`` (also below a parent, as in
+    ``decoder.layers.0``). Names without ``prefix`` stay as they are."""
+    pattern = re.compile(rf"(^|\.){re.escape(prefix)}(\d+)(?=\.|$)")
+
+    def rename(fqn: str) -> str:
+        return pattern.sub(lambda m: f"{m.group(1)}{prefix}{int(m.group(2)) + offset}", fqn, count=1)
+
+    return rename

@@ -37,7 +37,9 @@ class WriteItem:
 class LocalSavePlan:
     rank: int
     items: list[WriteItem]
-    object_bytes: int = 0
+    object_bytes: int = 0  # this rank's own (per-rank) objects
+    # Objects saved once by one of their holders: key -> (encoded size, content hash).
+    shared: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -45,6 +47,29 @@ class GlobalSavePlan:
     assignments: list[list[WriteItem]]  # per rank, in write order
     tensors: dict[str, tuple[str, tuple[int, ...]]]  # key -> (dtype, shape)
     planned_bytes: list[int] = field(default_factory=list)
+    shared_assignments: list[list[str]] = field(default_factory=list)  # per rank
+
+
+def _assign_shared(plans: list[LocalSavePlan], load: list[int]) -> list[list[str]]:
+    """One writer per shared object: the least-loaded rank holding it. Holders must agree."""
+    holders: dict[str, list[int]] = defaultdict(list)
+    seen: dict[str, tuple[int, int, int]] = {}
+    for plan in plans:
+        for key, (size, digest) in plan.shared.items():
+            prev = seen.setdefault(key, (size, digest, plan.rank))
+            if prev[1] != digest:
+                raise PlanningError(
+                    f"{key}: ranks {prev[2]} and {plan.rank} hold different values of this "
+                    "object, which must be the same on every rank that has it (e.g. optimizer "
+                    "hyperparameters); make them agree before saving"
+                )
+            holders[key].append(plan.rank)
+    out: list[list[str]] = [[] for _ in plans]
+    for key in sorted(holders, key=lambda k: (-seen[k][0], k)):
+        target = min(holders[key], key=lambda r: (load[r], r))
+        out[target].append(key)
+        load[target] += seen[key][0]
+    return out
 
 
 def _check_consistent(plans: list[LocalSavePlan]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -92,6 +117,7 @@ def plan_save(plans: list[LocalSavePlan], *, split_fraction: int = 8,
             )
 
     load = [plan.object_bytes for plan in plans]
+    shared_assignments = _assign_shared(plans, load)
     assignments: list[list[WriteItem]] = [[] for _ in range(world)]
     replicated: list[tuple[WriteItem, list[int]]] = []
     for k, ranks in holders.items():
@@ -119,5 +145,5 @@ def plan_save(plans: list[LocalSavePlan], *, split_fraction: int = 8,
 
     for items in assignments:
         items.sort(key=lambda it: (it.key, it.box))
-    return GlobalSavePlan(assignments, tensors, load)
+    return GlobalSavePlan(assignments, tensors, load, shared_assignments)
 

@@ -137,3 +137,42 @@ def coverage_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     if covered != total:
         return f"boxes cover {covered} of {total} elements"
     return None
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """Decompose the row-major element range ``[start, stop)`` of ``shape`` into boxes.
+
+    This is how irregular shards (FSDP flat parameters, a distributed optimizer's flat
+    ranges) become regular boxes without moving data: the boxes are returned in element
+    order, each is one contiguous run of the range, together they cover it exactly, and
+    there are at most ``2 * ndim - 1`` of them (a ragged head, whole rows, a ragged tail,
+    recursively).
+    """
+    total = math.prod(shape)
+    if not 0 <= start <= stop <= total:
+        raise ValueError(f"flat range [{start}, {stop}) lies outside a tensor of {total} elements")
+    if start == stop:
+        return []
+    if len(shape) == 0:
+        return [Box((), ())]
+    if len(shape) == 1:
+        return [Box((start,), (stop - start,))]
+    inner_shape = tuple(shape[1:])
+    inner = math.prod(inner_shape)
+    row0, col0 = divmod(start, inner)
+    row1, col1 = divmod(stop, inner)
+
+    def in_row(row: int, lo: int, hi: int) -> list[Box]:
+        return [Box((row, *b.offsets), (1, *b.lengths)) for b in flat_range_boxes(inner_shape, lo, hi)]
+
+    if row0 == row1:
+        return in_row(row0, col0, col1)
+    boxes: list[Box] = []
+    if col0:
+        boxes += in_row(row0, col0, inner)
+        row0 += 1
+    if row1 > row0:
+        boxes.append(Box((row0,) + (0,) * len(inner_shape), (row1 - row0, *inner_shape)))
+    if col1:
+        boxes += in_row(row1, 0, col1)
+    return boxes

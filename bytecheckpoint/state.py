@@ -10,7 +10,7 @@ those of modules and optimizers are the same on every rank and saved once, anyth
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import codec
 from .errors import StateMismatchError, UnsupportedStateError
+from .shards import TensorShard, is_megatron_sharded_tensor, is_megatron_unsupported, shard_of
 
 # Names that wrappers (torch.compile, activation checkpointing, FSDP v1) insert into FQNs;
 # they are reserved by PyTorch, so dropping them anywhere cannot collide with a user name.
@@ -27,6 +29,10 @@ _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp
 KIND_MODEL = "model"
 KIND_OPTIM = "optim"
 KIND_EXTRA = "extra"
+
+
+def _identity(name: str) -> str:
+    return name
 
 
 def clean_fqn(name: str) -> str:
@@ -45,22 +51,78 @@ def unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
+FqnMap = Callable[[str], str]
+# What an optimizer state tensor of a parameter becomes under one FQN (a view or a shard).
+StateView = Callable[[torch.Tensor], "torch.Tensor | TensorShard"]
+
+
 @dataclass
 class FlatState:
     """A state dict flattened into keyed tensors and objects, plus how to put it back."""
 
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor | TensorShard] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)  # top-level key -> storage kind
-    shared_objects: dict[str, Any] = field(default_factory=dict)  # saved once (rank 0)
+    # Saved once, by one rank that holds them (every holder must agree on the value).
+    shared_objects: dict[str, Any] = field(default_factory=dict)
     rank_objects: dict[str, Any] = field(default_factory=dict)  # saved by every rank
     # Shared-object keys under these prefixes are taken on load even though the target
     # cannot list them in advance (non-tensor optimizer state, e.g. a float step).
     accept_prefixes: list[str] = field(default_factory=list)
     # Called after a load has filled ``tensors`` in place, with the loaded objects.
     appliers: list[Callable[[dict[str, Any], dict[str, Any]], None]] = field(default_factory=list)
+    # Names of the module adapters used (e.g. "fsdp"), for framework detection.
+    adapters: set[str] = field(default_factory=set)
 
     def kind_of(self, key: str) -> str:
         return self.kinds[key.split("/", 1)[0]]
+
+
+class ModuleAdapter:
+    """How a module's tensors and its parameters' optimizer state map to global FQNs.
+
+    The default reads ``state_dict()`` (DDP, FSDP2/DTensor, plain modules). Frameworks whose
+    ``state_dict()`` would communicate or whose parameters are flat (FSDP v1) register their
+    own adapter with :func:`register_module_adapter`.
+    """
+
+    name = "default"
+
+    def matches(self, module: nn.Module) -> bool:
+        return True
+
+    def entries(self, module: nn.Module, fqn_map: FqnMap) -> dict[str, tuple[str, Any]]:
+        """``{fqn: (name in module.state_dict(), value)}``; values are tensors, shards or objects."""
+        out: dict[str, tuple[str, Any]] = {}
+        for name, value in unwrap(module).state_dict().items():
+            out[fqn_map(clean_fqn(name))] = (name, value)
+        return out
+
+    def param_views(self, module: nn.Module, fqn_map: FqnMap) -> dict[int, list[tuple[str, StateView]]]:
+        """For each parameter (by id): the FQNs it stands for and how its state maps to them."""
+        named = unwrap(module).named_parameters(remove_duplicate=False)
+        return {id(p): [(fqn_map(clean_fqn(name)), _same)] for name, p in named}
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+_ADAPTERS: list[ModuleAdapter] = []
+
+
+def register_module_adapter(adapter: ModuleAdapter) -> None:
+    """Adapters registered later are tried first; the default adapter is the fallback."""
+    _ADAPTERS.insert(0, adapter)
+
+
+def module_adapter(module: nn.Module) -> ModuleAdapter:
+    for adapter in _ADAPTERS:
+        if adapter.matches(module):
+            return adapter
+    return _DEFAULT_ADAPTER
+
+
+_DEFAULT_ADAPTER = ModuleAdapter()
 
 
 def _module_for(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module], key: str) -> nn.Module:
@@ -72,11 +134,6 @@ def _module_for(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module],
         f"state[{key!r}] is an optimizer whose parameters are not all in one module of the "
         "state; put the model it optimizes in the same state dict (e.g. state['model'])"
     )
-
-
-def param_fqns(module: nn.Module) -> dict[int, str]:
-    named = unwrap(module).named_parameters(remove_duplicate=False)
-    return {id(p): clean_fqn(name) for name, p in named}
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -106,14 +163,14 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
-def _flatten_module(key: str, module: nn.Module, flat: FlatState) -> None:
+def _flatten_module(key: str, module: nn.Module, flat: FlatState, fqn_map: FqnMap) -> None:
     flat.kinds[key] = KIND_MODEL
-    module = unwrap(module)
+    adapter = module_adapter(module)
+    flat.adapters.add(adapter.name)
     raw_names: dict[str, str] = {}
-    for name, value in module.state_dict().items():
-        fqn = clean_fqn(name)
+    for fqn, (name, value) in adapter.entries(module, fqn_map).items():
         raw_names[fqn] = name
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor | TensorShard):
             flat.tensors[f"{key}/{fqn}"] = value
         else:
             flat.shared_objects[f"{key}/{fqn}"] = value
@@ -122,66 +179,134 @@ def _flatten_module(key: str, module: nn.Module, flat: FlatState) -> None:
         extra = {raw_names[k[len(key) + 1 :]]: v for k, v in shared.items()
                  if k.startswith(f"{key}/") and k[len(key) + 1 :] in raw_names}
         if extra:  # non-tensor entries (e.g. _extra_state) go back through the module
-            module.load_state_dict(extra, strict=False)
+            unwrap(module).load_state_dict(extra, strict=False)
 
     flat.appliers.append(apply)
 
 
+def _same_encoding(a: Any, b: Any) -> bool:
+    return codec.encode(a) == codec.encode(b)
+
+
 def _flatten_optimizer(
     key: str, optimizer: torch.optim.Optimizer, module: nn.Module, flat: FlatState, for_load: bool,
-    has_saved_state: Callable[[str], bool],
+    has_saved_state: Callable[[str], bool], fqn_map: FqnMap,
 ) -> None:
+    """Optimizer state keyed by parameter FQN: ``<key>/state/<fqn>/<name>`` for state and
+    ``<key>/param_groups/<fqn>`` for the hyperparameters of the parameter's group. Both are
+    independent of how parameters are grouped, ordered, flattened or split across stages."""
     flat.kinds[key] = KIND_OPTIM
-    fqn_of = param_fqns(module)
-    order: list[tuple[int, torch.Tensor, str]] = []
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            order.append((len(order), p, fqn_of[id(p)]))
+    views = module_adapter(module).param_views(module, fqn_map)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     if for_load and has_saved_state(f"{key}/state/"):
         init_optimizer_state(optimizer)
-    for _, p, fqn in order:
+    for p in params:
         for name, value in optimizer.state.get(p, {}).items():
-            entry = f"{key}/state/{fqn}/{name}"
-            if isinstance(value, torch.Tensor):
-                flat.tensors[entry] = value
-            elif not for_load:
-                flat.shared_objects[entry] = value
+            for fqn, view in views[id(p)]:
+                entry = f"{key}/state/{fqn}/{name}"
+                if isinstance(value, torch.Tensor):
+                    flat.tensors[entry] = view(value)
+                elif not for_load:
+                    flat.shared_objects[entry] = value
     flat.accept_prefixes.append(f"{key}/state/")
-    flat.shared_objects[f"{key}/param_groups"] = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
-        for g in optimizer.param_groups
-    ]
+    for g in optimizer.param_groups:
+        hparams = {k: v for k, v in g.items() if k != "params"}
+        for p in g["params"]:
+            for fqn, _ in views[id(p)]:
+                flat.shared_objects[f"{key}/param_groups/{fqn}"] = hparams
 
     def apply(shared: dict[str, Any], _rank: dict[str, Any]) -> None:
-        groups = shared.get(f"{key}/param_groups")
-        if groups is None:
-            return
-        index_of = {fqn: i for i, _, fqn in order}
-        if len(groups) != len(optimizer.param_groups):
-            raise StateMismatchError(
-                f"{key}: checkpoint has {len(groups)} parameter groups, optimizer has "
-                f"{len(optimizer.param_groups)}"
-            )
         new_groups = []
-        for saved, live in zip(groups, optimizer.param_groups):
-            live_fqns = {fqn_of[id(p)] for p in live["params"]}
-            if set(saved["params"]) != live_fqns:
-                diff = sorted(set(saved["params"]) ^ live_fqns)[:5]
-                raise StateMismatchError(
-                    f"{key}: a parameter group holds different parameters than the "
-                    f"checkpoint's (e.g. {diff})"
-                )
-            new_groups.append({**saved, "params": [index_of[f] for f in saved["params"]]})
+        index = {id(p): i for i, p in enumerate(params)}
+        for live in optimizer.param_groups:
+            fqns = [fqn for p in live["params"] for fqn, _ in views[id(p)]]
+            saved = [(f, shared[f"{key}/param_groups/{f}"]) for f in fqns
+                     if f"{key}/param_groups/{f}" in shared]
+            hparams = {k: v for k, v in live.items() if k != "params"}
+            if saved:
+                first_fqn, first = saved[0]
+                for fqn, other in saved[1:]:
+                    if not _same_encoding(first, other):
+                        raise StateMismatchError(
+                            f"{key}: {first_fqn} and {fqn} share a parameter group here but had "
+                            "different hyperparameters in the checkpoint; group them as they "
+                            "were saved, or load the model alone and rebuild the optimizer"
+                        )
+                hparams = dict(first)
+            new_groups.append({**hparams, "params": [index[id(p)] for p in live["params"]]})
         state: dict[int, dict[str, Any]] = {}
-        for i, p, fqn in order:
-            entries = {name: v for name, v in optimizer.state.get(p, {}).items()}
-            prefix = f"{key}/state/{fqn}/"
-            for k, v in shared.items():
-                if k.startswith(prefix):
-                    entries[k[len(prefix) :]] = v
+        for i, p in enumerate(params):
+            entries = dict(optimizer.state.get(p, {}))
+            for fqn, _ in views[id(p)]:
+                prefix = f"{key}/state/{fqn}/"
+                for k, v in shared.items():
+                    if k.startswith(prefix):
+                        entries[k[len(prefix) :]] = v
             if entries:
                 state[i] = entries
         optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+
+    flat.appliers.append(apply)
+
+
+def _leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _leaves(v, (*path, str(k)))
+    elif isinstance(value, list | tuple) and any(isinstance(v, Mapping | list | tuple) or _is_shard(v)
+                                                for v in value):
+        for i, v in enumerate(value):
+            yield from _leaves(v, (*path, str(i)))
+    else:
+        yield path, value
+
+
+def _is_shard(value: Any) -> bool:
+    return isinstance(value, TensorShard) or is_megatron_sharded_tensor(value)
+
+
+def is_sharded_dict(value: Any) -> bool:
+    """A (nested) mapping with hand-described shards among its leaves."""
+    return isinstance(value, Mapping) and any(_is_shard(v) for _, v in _leaves(value))
+
+
+def _flatten_sharded_dict(key: str, value: MutableMapping[str, Any], flat: FlatState) -> None:
+    """A Megatron-style sharded state dict: shards keyed by their own key (Megatron) or
+    their path; plain tensors are replicated tensors; other leaves are saved once."""
+    flat.kinds[key] = KIND_OPTIM if "optim" in key else KIND_MODEL
+    flat.adapters.add("manual")
+    plain: dict[str, tuple[str, ...]] = {}
+    for path, leaf in _leaves(value):
+        if is_megatron_unsupported(leaf):
+            raise UnsupportedStateError(
+                f"state[{key!r}] holds a megatron {type(leaf).__name__} ({leaf.key!r}); only "
+                "ShardedTensor leaves are supported: apply factories before saving, and keep "
+                "per-rank objects in a separate state entry"
+            )
+        shard = shard_of(leaf)
+        name = ".".join(path)
+        if shard is not None:
+            fqn = leaf.key if is_megatron_sharded_tensor(leaf) else name
+            if f"{key}/{fqn}" in flat.tensors:
+                raise UnsupportedStateError(f"state[{key!r}] has two shards keyed {fqn!r}")
+            flat.tensors[f"{key}/{fqn}"] = shard
+        elif isinstance(leaf, torch.Tensor):
+            flat.tensors[f"{key}/{name}"] = leaf
+        else:
+            flat.shared_objects[f"{key}/{name}"] = leaf
+            plain[f"{key}/{name}"] = path
+
+    def apply(shared: dict[str, Any], _rank: dict[str, Any]) -> None:
+        for entry, path in plain.items():
+            if entry in shared:
+                node: Any = value
+                for part in path[:-1]:
+                    node = node[int(part)] if isinstance(node, list) else node[part]
+                last = path[-1]
+                if isinstance(node, list):
+                    node[int(last)] = shared[entry]
+                elif isinstance(node, MutableMapping):
+                    node[last] = shared[entry]
 
     flat.appliers.append(apply)
 
@@ -215,8 +340,14 @@ def flatten_state(
     *,
     for_load: bool = False,
     has_saved_state: Callable[[str], bool] = lambda prefix: True,
+    fqn_map: FqnMap | None = None,
 ) -> FlatState:
-    """Flatten ``state`` (modules, optimizers, stateful objects, plain values)."""
+    """Flatten ``state`` (modules, optimizers, sharded dicts, stateful objects, plain values).
+
+    ``fqn_map`` renames this rank's parameter FQNs to global ones (pipeline stages that
+    number their layers from zero, as Megatron does).
+    """
+    fqn_map = fqn_map or _identity
     if not isinstance(state, MutableMapping):
         raise UnsupportedStateError(
             f"state must be a dict such as {{'model': model, 'optimizer': optim}}, got "
@@ -228,10 +359,12 @@ def flatten_state(
         if not isinstance(key, str) or not key or "/" in key:
             raise UnsupportedStateError(f"state key {key!r} must be a non-empty string without '/'")
         if isinstance(value, nn.Module):
-            _flatten_module(key, value, flat)
+            _flatten_module(key, value, flat, fqn_map)
         elif isinstance(value, torch.optim.Optimizer):
             module = _module_for(value, modules, key)
-            _flatten_optimizer(key, value, module, flat, for_load, has_saved_state)
+            _flatten_optimizer(key, value, module, flat, for_load, has_saved_state, fqn_map)
+        elif is_sharded_dict(value):
+            _flatten_sharded_dict(key, value, flat)
         else:
             _flatten_object(key, value, state, flat)
     return flat

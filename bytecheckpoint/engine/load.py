@@ -14,6 +14,7 @@ from __future__ import annotations
 import posixpath
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from telemetry import span
 
 from .. import codec
 from ..checksums import bad_chunks, widen_to_chunks
-from ..comm import Communicator
+from ..comm import Communicator, Outcome, raise_failures
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import (
     CorruptCheckpointError,
@@ -66,20 +67,28 @@ def _listing(keys: list[str]) -> str:
     return shown + (f" ... and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else "")
 
 
-def _match_keys(meta: CheckpointMetadata, flat: FlatState) -> tuple[list[str], list[str]]:
-    """Missing and unexpected keys, within the top-level groups the state asks for.
+def _match_keys(meta: CheckpointMetadata, flat: FlatState,
+                everyone: list[tuple[set[str], set[str]]]) -> tuple[list[str], list[str]]:
+    """Missing keys (this rank's) and unexpected keys (wanted by no rank), within the
+    top-level groups the state asks for.
 
     Groups absent from the state are ignored, so ``{"model": m}`` loads just the model of a
-    checkpoint that also holds an optimizer.
+    checkpoint that also holds an optimizer. ``everyone`` holds every rank's wanted keys and
+    groups: a pipeline stage does not ask for another stage's layers, yet they are expected.
     """
     saved = {t.key for t in meta.tensors} | {o.key for o in meta.objects}
-    wanted = set(flat.tensors) | set(flat.shared_objects) | set(flat.rank_objects)
-    missing = sorted(wanted - saved)
+    missing = sorted(_wanted(flat) - saved)
+    wanted_anywhere = set().union(*(w for w, _ in everyone))
+    groups = set().union(*(g for _, g in everyone))
     unexpected = sorted(
-        k for k in saved - wanted
-        if k.split("/", 1)[0] in flat.kinds and not _accepted(flat, k)
+        k for k in saved - wanted_anywhere
+        if k.split("/", 1)[0] in groups and not _accepted(flat, k)
     )
     return missing, unexpected
+
+
+def _wanted(flat: FlatState) -> set[str]:
+    return set(flat.tensors) | set(flat.shared_objects) | set(flat.rank_objects)
 
 
 def _accepted(flat: FlatState, key: str) -> bool:
@@ -152,6 +161,7 @@ def load(
     process_group: Any = None,
     verify: bool = True,
     threads: int = 4,
+    fqn_map: Callable[[str], str] | None = None,
 ) -> LoadResult:
     t0 = time.perf_counter()
     comm = Communicator(process_group)
@@ -160,7 +170,8 @@ def load(
     result: LoadResult | None = None
     with span("load", path=url) as total:
         try:
-            result = _load_local(url, state, framework, strict, comm, verify, threads, phases)
+            result = _load_local(url, state, framework, strict, comm, verify, threads, phases,
+                                 fqn_map)
         except Exception as exc:
             error = exc
         with span("load.barrier"):
@@ -173,22 +184,31 @@ def load(
 
 
 def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: bool,
-                comm: Communicator, verify: bool, threads: int, phases: dict[str, float]) -> LoadResult:
+                comm: Communicator, verify: bool, threads: int, phases: dict[str, float],
+                fqn_map: Callable[[str], str] | None) -> LoadResult:
     t = time.perf_counter()
-    with span("load.metadata"):
-        storage, path = resolve(url)
-        meta = read_metadata(storage, path)
-    phases["metadata"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    with span("load.plan"):
+    local_error: BaseException | None = None
+    try:
+        with span("load.metadata"):
+            storage, path = resolve(url)
+            meta = read_metadata(storage, path)
+        phases["metadata"] = time.perf_counter() - t
+        t = time.perf_counter()
         saved_keys = {tm.key for tm in meta.tensors}
         flat = flatten_state(
-            state, for_load=True,
+            state, for_load=True, fqn_map=fqn_map,
             has_saved_state=lambda prefix: any(k.startswith(prefix) for k in saved_keys),
         )
         planner = get_planner(framework, flat, comm)
-        missing, unexpected = _match_keys(meta, flat)
+        mine = Outcome(value=(_wanted(flat), set(flat.kinds)))
+    except Exception as exc:
+        local_error, mine = exc, Outcome.failure(exc)
+    # The one collective before reading: every rank's keys (and any early failure).
+    everyone = comm.all_gather(mine)
+    raise_failures(everyone, "checkpoint load", local_error)
+
+    with span("load.plan"):
+        missing, unexpected = _match_keys(meta, flat, [o.value for o in everyone])
         if strict and (missing or unexpected):
             parts = []
             if missing:
@@ -210,7 +230,7 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
             except StateMismatchError as exc:
                 problems.append(exc)
                 continue
-            targets = planner.local_shards(key, tensor)
+            targets = planner.pieces(key, tensor)
             for saved in meta.boxes_of(key):
                 for target in targets:
                     region = saved.box.intersect(target.box)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from telemetry import set_context, span
 
@@ -65,6 +67,7 @@ class _Assignment:
     staging: str
     save_id: str
     items: list[WriteItem]
+    shared_keys: list[str]
 
 
 @dataclass(frozen=True)
@@ -98,25 +101,26 @@ def _source_of(item: WriteItem, shards: list[LocalShard]):
 
 
 def _local_plan(
-    state: Any, framework: str | None, comm: Communicator
+    state: Any, framework: str | None, comm: Communicator, fqn_map: Callable[[str], str] | None
 ) -> tuple[FlatState, str, dict[str, list[LocalShard]], LocalSavePlan, dict[str, bytes], dict[str, Any]]:
-    flat = flatten_state(state)
+    flat = flatten_state(state, fqn_map=fqn_map)
     planner = get_planner(framework, flat, comm)
     shards: dict[str, list[LocalShard]] = {}
     items: list[WriteItem] = []
     for key, tensor in flat.tensors.items():
-        local = planner.local_shards(key, tensor)
+        local = planner.pieces(key, tensor)
         shards[key] = local
         dtype = dtype_name(tensor.dtype)
         shape = planner.global_shape(tensor)
         items.extend(WriteItem(key, dtype, shape, s.box) for s in local)
         if not local:  # a rank may hold nothing of a tensor; still announce its shape
             items.append(WriteItem(key, dtype, shape, Box((0,) * len(shape), (0,) * len(shape))))
-    blobs: dict[str, bytes] = {}
-    if comm.is_coordinator:
-        blobs.update({f"shared:{k}": codec.encode(v) for k, v in flat.shared_objects.items()})
+    blobs = {f"shared:{k}": codec.encode(v) for k, v in flat.shared_objects.items()}
+    shared = {k: (len(b), xxhash.xxh3_64_intdigest(b)) for k, b in blobs.items()}
     blobs.update({f"rank:{k}": codec.encode(v) for k, v in flat.rank_objects.items()})
-    plan = LocalSavePlan(comm.rank, items, sum(len(b) for b in blobs.values()))
+    own_bytes = sum(len(b) for k, b in blobs.items() if k.startswith("rank:"))
+    plan = LocalSavePlan(comm.rank, items, own_bytes,
+                         {k[len("shared:") :]: v for k, v in shared.items()})
     return flat, planner.name, shards, plan, blobs, planner.layout(flat, comm)
 
 
@@ -129,7 +133,10 @@ def _write_rank(
         piece = Piece(_entry_name(item), safetensors_code(item.dtype), item.box.lengths,
                       item.nbytes, _source_of(item, shards[item.key]))
         by_kind[flat.kind_of(item.key)].append((item, piece))
+    mine = {f"shared:{k}" for k in assignment.shared_keys}
     for name, blob in blobs.items():
+        if name.startswith("shared:") and name not in mine:
+            continue  # another holder of this object writes it
         piece = Piece(f"__object__/{name}", "U8", (len(blob),), len(blob),
                       lambda b=blob: memoryview(b))
         by_kind[KIND_EXTRA].append((None, piece))
@@ -222,6 +229,7 @@ def save(
     process_group: Any = None,
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fqn_map: Callable[[str], str] | None = None,
 ) -> SaveResult:
     t0 = time.perf_counter()
     comm = Communicator(process_group)
@@ -236,7 +244,7 @@ def save(
         with span("save.plan"):
             try:
                 split_checkpoint_path(path)
-                flat, fw, shards, local, blobs, layout = _local_plan(state, framework, comm)
+                flat, fw, shards, local, blobs, layout = _local_plan(state, framework, comm, fqn_map)
                 mine = Outcome(value=(local, fw, layout))
             except Exception as exc:
                 local_error, mine = exc, Outcome.failure(exc)
@@ -263,8 +271,11 @@ def save(
                         for stale in stale_staging_dirs(storage, path):
                             storage.delete(stale)  # left by a crashed save to the same path
                         storage.makedirs(staging)
-                        per_rank = [Outcome(value=_Assignment(staging, save_id, items))
-                                    for items in global_plan.assignments]
+                        per_rank = [
+                            Outcome(value=_Assignment(staging, save_id, items, shared_keys))
+                            for items, shared_keys in zip(global_plan.assignments,
+                                                          global_plan.shared_assignments)
+                        ]
                     except Exception as exc:
                         local_error, failed = exc, _coordinator_failure(exc)
                 if failed is not None:

@@ -1,7 +1,8 @@
 """Framework planners, registered by name.
 
-``framework=None`` picks one from the state: DTensors → ``fsdp2``; a process group of
-more than one rank → ``ddp``; otherwise ``single``.
+``framework=None`` picks one from the state: FSDP v1 modules → ``fsdp``; DTensors →
+``fsdp2``; hand-described shards → ``manual``; a process group of more than one rank →
+``ddp``; otherwise ``single``. Importing this package registers the FSDP v1 module adapter.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from torch.distributed.tensor import DTensor
 from ..errors import UnsupportedStateError
 from .base import LocalShard, Planner
 from .ddp import DDPPlanner
+from .fsdp import FSDPPlanner
 from .fsdp2 import DTensorPlanner, FSDP2Planner
+from .manual import ManualPlanner
 from .single import SingleProcessPlanner
 
 if TYPE_CHECKING:
@@ -23,8 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["LocalShard", "Planner", "get_planner", "register_planner", "planner_names"]
 
 _PLANNERS: dict[str, type[Planner]] = {
-    p.name: p for p in (DDPPlanner, DTensorPlanner, FSDP2Planner, SingleProcessPlanner)
+    p.name: p for p in (DDPPlanner, DTensorPlanner, FSDPPlanner, FSDP2Planner, ManualPlanner,
+                        SingleProcessPlanner)
 }
+_ALIASES = {"megatron": "manual", "tp": "dtensor"}
 
 
 def register_planner(cls: type[Planner], *, clobber: bool = False) -> None:
@@ -38,9 +43,14 @@ def planner_names() -> list[str]:
 
 
 def get_planner(framework: str | None, flat: FlatState, comm: Communicator) -> Planner:
+    framework = _ALIASES.get(framework or "", framework)
     if framework is None:
-        if any(isinstance(t, DTensor) for t in flat.tensors.values()):
+        if "fsdp" in flat.adapters:
+            framework = "fsdp"
+        elif any(isinstance(t, DTensor) for t in flat.tensors.values()):
             framework = "fsdp2"
+        elif "manual" in flat.adapters:
+            framework = "manual"
         elif comm.world_size > 1:
             framework = "ddp"
         else:

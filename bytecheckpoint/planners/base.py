@@ -2,10 +2,13 @@
 
 Call order, on every rank, for a save:
   1. ``check(flat, comm)``           refuse state this framework cannot describe
-  2. ``local_shards(key, tensor)``   for each tensor: the boxes this rank holds, with views
+  2. ``pieces(key, value)``          for each tensor: the boxes this rank holds, with views
   3. ``layout(flat, comm)``          a description of the parallel layout for the metadata
 For a load, 1 and 2 run on the *target* state; the returned views are the destinations the
-engine copies into. Planners hold no state between calls; the engine, global planning and
+engine copies into. Hand-described shards (:class:`~bytecheckpoint.shards.TensorShard`: FSDP
+flat parameters, Megatron-style layouts) are understood by every planner; a planner only
+says how its framework's own tensors map to boxes (``local_shards``).
+Planners hold no state between calls; the engine, global planning and
 storage know nothing about frameworks, so adding a framework is adding a module here.
 """
 
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..sharding import Box, full_box
+from ..shards import TensorShard
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -41,8 +45,16 @@ class Planner(abc.ABC):
     @abc.abstractmethod
     def local_shards(self, key: str, tensor: torch.Tensor) -> list[LocalShard]: ...
 
-    def global_shape(self, tensor: torch.Tensor) -> tuple[int, ...]:
-        return tuple(tensor.shape)
+    def pieces(self, key: str, value: torch.Tensor | TensorShard) -> list[LocalShard]:
+        """The boxes this rank holds of ``key``, each with a view of its data."""
+        if isinstance(value, TensorShard):
+            return [LocalShard(box, view) for box, view in value.pieces()]
+        return self.local_shards(key, value)
+
+    def global_shape(self, value: torch.Tensor | TensorShard) -> tuple[int, ...]:
+        if isinstance(value, TensorShard):
+            return value.global_shape
+        return tuple(value.shape)
 
     def layout(self, flat: FlatState, comm: Communicator) -> dict[str, Any]:
         return {"world_size": comm.world_size}
