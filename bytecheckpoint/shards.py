@@ -113,6 +113,41 @@ class TensorShard:
         return out
 
 
+@dataclass(frozen=True)
+class ShardSet:
+    """Several pieces of one global tensor held by the same rank (e.g. one per layer of a
+    stacked tensor, as Megatron keys every layer's shard of ``decoder.layers.*`` alike)."""
+
+    shards: tuple[TensorShard, ...]
+
+    def __post_init__(self) -> None:
+        first = self.shards[0]
+        for other in self.shards[1:]:
+            if other.global_shape != first.global_shape or other.dtype != first.dtype:
+                raise UnsupportedStateError(
+                    f"pieces of one tensor disagree: global shape {first.global_shape} "
+                    f"{first.dtype} vs {other.global_shape} {other.dtype}"
+                )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shards[0].dtype
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.shards[0].global_shape
+
+    def pieces(self) -> list[tuple[Box, torch.Tensor]]:
+        return [piece for shard in self.shards for piece in shard.pieces()]
+
+
+def add_shard(existing: TensorShard | ShardSet | None, shard: TensorShard) -> TensorShard | ShardSet:
+    if existing is None:
+        return shard
+    held = existing.shards if isinstance(existing, ShardSet) else (existing,)
+    return ShardSet((*held, shard))
+
+
 def is_megatron_sharded_tensor(value: Any) -> bool:
     """Megatron-core's ``ShardedTensor``, recognised without importing megatron."""
     return type(value).__name__ == "ShardedTensor" and all(

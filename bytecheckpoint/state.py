@@ -20,7 +20,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import codec
 from .errors import StateMismatchError, UnsupportedStateError
-from .shards import TensorShard, is_megatron_sharded_tensor, is_megatron_unsupported, shard_of
+from .shards import (
+    ShardSet,
+    TensorShard,
+    add_shard,
+    is_megatron_sharded_tensor,
+    is_megatron_unsupported,
+    shard_of,
+)
 
 # Names that wrappers (torch.compile, activation checkpointing, FSDP v1) insert into FQNs;
 # they are reserved by PyTorch, so dropping them anywhere cannot collide with a user name.
@@ -60,7 +67,7 @@ StateView = Callable[[torch.Tensor], "torch.Tensor | TensorShard"]
 class FlatState:
     """A state dict flattened into keyed tensors and objects, plus how to put it back."""
 
-    tensors: dict[str, torch.Tensor | TensorShard] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor | TensorShard | ShardSet] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)  # top-level key -> storage kind
     # Saved once, by one rank that holds them (every holder must agree on the value).
     shared_objects: dict[str, Any] = field(default_factory=dict)
@@ -170,7 +177,7 @@ def _flatten_module(key: str, module: nn.Module, flat: FlatState, fqn_map: FqnMa
     raw_names: dict[str, str] = {}
     for fqn, (name, value) in adapter.entries(module, fqn_map).items():
         raw_names[fqn] = name
-        if isinstance(value, torch.Tensor | TensorShard):
+        if isinstance(value, torch.Tensor | TensorShard | ShardSet):
             flat.tensors[f"{key}/{fqn}"] = value
         else:
             flat.shared_objects[f"{key}/{fqn}"] = value
@@ -253,6 +260,9 @@ def _leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str,
     if isinstance(value, Mapping):
         for k, v in value.items():
             yield from _leaves(v, (*path, str(k)))
+    elif isinstance(value, list | tuple) and value and all(_is_shard(v) for v in value):
+        for v in value:  # several pieces of one tensor under one key
+            yield path, v
     elif isinstance(value, list | tuple) and any(isinstance(v, Mapping | list | tuple) or _is_shard(v)
                                                 for v in value):
         for i, v in enumerate(value):
@@ -272,7 +282,8 @@ def is_sharded_dict(value: Any) -> bool:
 
 def _flatten_sharded_dict(key: str, value: MutableMapping[str, Any], flat: FlatState) -> None:
     """A Megatron-style sharded state dict: shards keyed by their own key (Megatron) or
-    their path; plain tensors are replicated tensors; other leaves are saved once."""
+    their path (a list of shards at one path: pieces of one tensor); plain tensors are
+    replicated tensors; other leaves are saved once."""
     flat.kinds[key] = KIND_OPTIM if "optim" in key else KIND_MODEL
     flat.adapters.add("manual")
     plain: dict[str, tuple[str, ...]] = {}
@@ -286,10 +297,11 @@ def _flatten_sharded_dict(key: str, value: MutableMapping[str, Any], flat: FlatS
         shard = shard_of(leaf)
         name = ".".join(path)
         if shard is not None:
-            fqn = leaf.key if is_megatron_sharded_tensor(leaf) else name
-            if f"{key}/{fqn}" in flat.tensors:
-                raise UnsupportedStateError(f"state[{key!r}] has two shards keyed {fqn!r}")
-            flat.tensors[f"{key}/{fqn}"] = shard
+            entry = f"{key}/{leaf.key if is_megatron_sharded_tensor(leaf) else name}"
+            held = flat.tensors.get(entry)
+            if held is not None and not isinstance(held, TensorShard | ShardSet):
+                raise UnsupportedStateError(f"{entry} is both a plain tensor and a shard")
+            flat.tensors[entry] = add_shard(held, shard)
         elif isinstance(leaf, torch.Tensor):
             flat.tensors[f"{key}/{name}"] = leaf
         else:

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import bytecheckpoint as bcp
 from bytecheckpoint.state import clean_fqn
 from demo.model import GPT, Block
+from tests.helpers import same_bits
 from tests.workloads import CFG, make_fsdp2, make_plain, train_step
 
 Canonical = dict[str, Any]
@@ -327,6 +328,128 @@ def _merged(mine: Canonical) -> Canonical:
     for part in everyone:
         for k, v in part.items():
             if k in merged and isinstance(v, torch.Tensor):
-                assert torch.equal(merged[k].view(torch.uint8), v.view(torch.uint8)), k
+                assert same_bits(merged[k], v), f"{k} differs between ranks"
             merged[k] = v
     return merged
+
+
+# -- Megatron-style manual spec: TP-sharded model, flattened DP-sharded distributed optimizer --
+
+MEG_LAYERS, MEG_H = 2, 6
+# key -> (per-layer shape, TP-split axis or None for replicated)
+MEG_PARAMS = {
+    "decoder.layers.mlp.linear_fc1.weight": ((4 * MEG_H, MEG_H), 0),
+    "decoder.layers.mlp.linear_fc1.bias": ((4 * MEG_H,), 0),
+    "decoder.layers.mlp.linear_fc2.weight": ((MEG_H, 4 * MEG_H), 1),
+    "decoder.layers.mlp.linear_fc2.bias": ((MEG_H,), None),
+    "decoder.layers.input_layernorm.weight": ((MEG_H,), None),
+}
+MEG_STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+def megatron_reference() -> dict[str, torch.Tensor]:
+    """Global tensors (layers stacked on a prepended axis): weights and optimizer states."""
+    out = {}
+    for key, (shape, _) in MEG_PARAMS.items():
+        for name in ("weight", *MEG_STATES):
+            g = torch.Generator().manual_seed(sum(map(ord, key + name)))
+            out[f"{key}/{name}"] = torch.randn((MEG_LAYERS, *shape), generator=g)
+    return out
+
+
+def _meg_local(shape: tuple[int, ...], axis: int | None, tp_rank: int, tp: int) -> tuple[slice, ...]:
+    if axis is None:
+        return tuple(slice(None) for _ in shape)
+    n = shape[axis] // tp
+    return tuple(slice(tp_rank * n, (tp_rank + 1) * n) if d == axis else slice(None)
+                 for d in range(len(shape)))
+
+
+def megatron_state(tp: int, dp: int, fill: torch.Tensor | None = None) -> tuple[dict[str, Any], list]:
+    """This rank's Megatron-style sharded state dict (rank = dp_rank * tp + tp_rank).
+
+    Model weights are megatron-core ``ShardedTensor`` objects (one per layer, prepended layer
+    axis, replica id = DP rank). The distributed optimizer concatenates this TP rank's local
+    parameters into one flat buffer, pads it to a multiple of ``dp`` and gives each DP rank
+    an even slice; each parameter's part of that slice is a ``TensorShard`` with a flattened
+    range. ``fill`` replaces every value (a load target). Returns the state and a record of
+    (key, global offset, local shape, flat range, data) for reassembling by hand.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tp_rank, dp_rank = rank % tp, rank // tp
+    ref = megatron_reference()
+    record: list = []
+    model: dict[str, Any] = {}
+    for key, (shape, axis) in MEG_PARAMS.items():
+        sl = _meg_local(shape, axis, tp_rank, tp)
+        for layer in range(MEG_LAYERS):
+            local = ref[f"{key}/weight"][layer][sl].clone()
+            if fill is not None:
+                local.fill_(float(fill))
+            offsets = [(0, layer, MEG_LAYERS)] + ([(1 + axis, tp_rank, tp)] if axis is not None else [])
+            model[f"{key}.{layer}"] = ShardedTensor.from_rank_offsets(
+                f"{key}/weight", local.unsqueeze(0), *offsets, replica_id=(0, 0, dp_rank))
+            record.append((f"{key}/weight", layer, sl, None, local))
+    # The distributed optimizer's flat buffer over this TP rank's local parameters.
+    layout = []  # (key, layer, local slices, local shape, start in buffer)
+    cursor = 0
+    for key, (shape, axis) in MEG_PARAMS.items():
+        sl = _meg_local(shape, axis, tp_rank, tp)
+        local_shape = tuple(ref[f"{key}/weight"][0][sl].shape)
+        for layer in range(MEG_LAYERS):
+            layout.append((key, layer, sl, local_shape, cursor))
+            cursor += int(torch.Size(local_shape).numel())
+    per_dp = -(-cursor // dp)
+    lo, hi = dp_rank * per_dp, min(cursor, (dp_rank + 1) * per_dp)
+    optim: dict[str, Any] = {"state": {}, "step": 7, "param_groups": [{"lr": 3e-4, "betas": [0.9, 0.95]}]}
+    for name in MEG_STATES:
+        buffer = torch.empty(per_dp)  # this DP rank's slice of the flat buffer
+        for key, layer, sl, local_shape, start in layout:
+            n = int(torch.Size(local_shape).numel())
+            a, b = max(lo, start), min(hi, start + n)
+            if a >= b:
+                continue
+            values = ref[f"{key}/{name}"][layer][sl].reshape(-1)[a - start : b - start]
+            view = buffer[a - lo : b - lo]
+            view.copy_(values if fill is None else torch.full_like(values, float(fill)))
+            offset = [layer] + [s.start or 0 for s in sl]
+            optim["state"].setdefault(key, {}).setdefault(name, []).append(bcp.TensorShard(
+                view, (MEG_LAYERS, *MEG_PARAMS[key][0]), tuple(offset), (1, *local_shape),
+                (a - start, b - start), replica_id=0))
+            record.append((f"{key}/{name}", layer, sl, (a - start, b - start), view))
+    return {"model": model, "optimizer": optim}, record
+
+
+def megatron_save(path: str, tp: int, dp: int) -> None:
+    state, _ = megatron_state(tp, dp)
+    bcp.save(path, state, framework="megatron")
+
+
+def megatron_load(path: str, tp: int, dp: int) -> dict[str, Any]:
+    """Load into another TP x DP layout; return every global tensor reassembled by hand
+    from all ranks' local buffers (NaN wherever nothing was loaded)."""
+    state, record = megatron_state(tp, dp, fill=torch.tensor(float("nan")))
+    state["optimizer"]["step"] = -1
+    bcp.load(path, state)
+    mine = [(k, layer, sl, rng, t.clone()) for k, layer, sl, rng, t in record]
+    everyone: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    full: dict[str, torch.Tensor] = {}
+    for part in everyone:
+        for key, layer, sl, rng, data in part:
+            shape = MEG_PARAMS[key.split("/")[0]][0]
+            g = full.setdefault(key, torch.full((MEG_LAYERS, *shape), float("nan")))
+            target = g[layer][sl]
+            if rng is None:
+                target.copy_(data)
+            else:
+                flat = target.reshape(-1).clone()
+                flat[rng[0] : rng[1]] = data
+                target.copy_(flat.view(target.shape))
+    return {"tensors": full, "step": state["optimizer"]["step"],
+            "param_groups": state["optimizer"]["param_groups"]}

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..sharding import Box, full_box
-from ..shards import TensorShard
+from ..shards import ShardSet, TensorShard
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -45,14 +45,14 @@ class Planner(abc.ABC):
     @abc.abstractmethod
     def local_shards(self, key: str, tensor: torch.Tensor) -> list[LocalShard]: ...
 
-    def pieces(self, key: str, value: torch.Tensor | TensorShard) -> list[LocalShard]:
+    def pieces(self, key: str, value: torch.Tensor | TensorShard | ShardSet) -> list[LocalShard]:
         """The boxes this rank holds of ``key``, each with a view of its data."""
-        if isinstance(value, TensorShard):
+        if isinstance(value, TensorShard | ShardSet):
             return [LocalShard(box, view) for box, view in value.pieces()]
         return self.local_shards(key, value)
 
-    def global_shape(self, value: torch.Tensor | TensorShard) -> tuple[int, ...]:
-        if isinstance(value, TensorShard):
+    def global_shape(self, value: torch.Tensor | TensorShard | ShardSet) -> tuple[int, ...]:
+        if isinstance(value, TensorShard | ShardSet):
             return value.global_shape
         return tuple(value.shape)
 
