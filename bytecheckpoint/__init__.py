@@ -22,11 +22,12 @@ from .errors import (  # noqa: E402
     StateMismatchError,
     UnsafeCheckpointError,
 )
+from .extra import RNGState  # noqa: E402
 from .integrity import verify  # noqa: E402
 from .shards import TensorShard  # noqa: E402
 
 __all__ = [
-    "save", "load", "verify", "pipeline_fqn_map", "TensorShard", "SaveResult", "LoadResult",
+    "save", "load", "verify", "pipeline_fqn_map", "TensorShard", "RNGState", "SaveResult", "LoadResult",
     "CheckpointError",
     "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",

@@ -77,6 +77,8 @@ class FlatState:
     accept_prefixes: list[str] = field(default_factory=list)
     # Called after a load has filled ``tensors`` in place, with the loaded objects.
     appliers: list[Callable[[dict[str, Any], dict[str, Any]], None]] = field(default_factory=list)
+    # Per-rank objects that came from stateful objects (state_dict/load_state_dict).
+    per_rank_stateful: set[str] = field(default_factory=set)
     # Names of the module adapters used (e.g. "fsdp"), for framework detection.
     adapters: set[str] = field(default_factory=set)
 
@@ -323,10 +325,37 @@ def _flatten_sharded_dict(key: str, value: MutableMapping[str, Any], flat: FlatS
     flat.appliers.append(apply)
 
 
+def is_reshardable(value: Any) -> bool:
+    """Objects that split their own state into entries and can rebuild it from the saved
+    entries under another layout (``bytecheckpoint.data.TokenLoader``, ``RNGState``)."""
+    return all(callable(getattr(value, m, None))
+               for m in ("checkpoint_shards", "load_prefixes", "restore_shards"))
+
+
+def _flatten_reshardable(key: str, value: Any, flat: FlatState, for_load: bool,
+                         has_saved_state: Callable[[str], bool]) -> None:
+    """Each entry is saved once by any rank holding it (identical copies, e.g. a DP shard
+    held by its TP peers, are written once); a load reads the entries the object asks for."""
+    flat.kinds[key] = KIND_EXTRA
+    if for_load:
+        prefixes = value.load_prefixes(lambda rel: has_saved_state(f"{key}/{rel}"))
+        flat.accept_prefixes.extend(f"{key}/{p}" for p in prefixes)
+    else:
+        for name, entry in value.checkpoint_shards().items():
+            flat.shared_objects[f"{key}/{name}"] = entry
+
+    def apply(shared: dict[str, Any], _rank: dict[str, Any]) -> None:
+        entries = {k[len(key) + 1 :]: v for k, v in shared.items() if k.startswith(f"{key}/")}
+        value.restore_shards(entries)
+
+    flat.appliers.append(apply)
+
+
 def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat: FlatState) -> None:
     flat.kinds[key] = KIND_EXTRA
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
         flat.rank_objects[key] = value.state_dict()
+        flat.per_rank_stateful.add(key)
 
         def apply(_shared: dict[str, Any], rank: dict[str, Any]) -> None:
             if key in rank:
@@ -377,6 +406,8 @@ def flatten_state(
             _flatten_optimizer(key, value, module, flat, for_load, has_saved_state, fqn_map)
         elif is_sharded_dict(value):
             _flatten_sharded_dict(key, value, flat)
+        elif is_reshardable(value):
+            _flatten_reshardable(key, value, flat, for_load, has_saved_state)
         else:
             _flatten_object(key, value, state, flat)
     return flat

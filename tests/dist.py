@@ -33,8 +33,14 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=90))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test session died: do not linger
+                break
+            continue
         if task is None:
             break
         module, name, args, kwargs = pickle.loads(task)
@@ -59,8 +65,8 @@ class WorldPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results),
-                        daemon=True)
+            # not daemonic: ranks start their own processes (data loader readers)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results))
             for r in range(world_size)
         ]
         for p in self._procs:

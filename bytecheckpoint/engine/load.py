@@ -68,7 +68,7 @@ def _listing(keys: list[str]) -> str:
 
 
 def _match_keys(meta: CheckpointMetadata, flat: FlatState,
-                everyone: list[tuple[set[str], set[str]]]) -> tuple[list[str], list[str]]:
+                everyone: list[tuple[set[str], set[str], list[str]]]) -> tuple[list[str], list[str]]:
     """Missing keys (this rank's) and unexpected keys (wanted by no rank), within the
     top-level groups the state asks for.
 
@@ -78,13 +78,29 @@ def _match_keys(meta: CheckpointMetadata, flat: FlatState,
     """
     saved = {t.key for t in meta.tensors} | {o.key for o in meta.objects}
     missing = sorted(_wanted(flat) - saved)
-    wanted_anywhere = set().union(*(w for w, _ in everyone))
-    groups = set().union(*(g for _, g in everyone))
+    wanted_anywhere = set().union(*(w for w, _, _ in everyone))
+    groups = set().union(*(g for _, g, _ in everyone))
+    accepted = tuple(sorted({p for _, _, prefixes in everyone for p in prefixes}))
     unexpected = sorted(
         k for k in saved - wanted_anywhere
-        if k.split("/", 1)[0] in groups and not _accepted(flat, k)
+        if k.split("/", 1)[0] in groups and not k.startswith(accepted)
     )
     return missing, unexpected
+
+
+def _check_splittable(meta: CheckpointMetadata, flat: FlatState, world_size: int) -> None:
+    """A stateful object saved per rank (a data loader's position, say) cannot be handed to
+    another number of ranks unless every rank saved the same state (e.g. an LR scheduler)."""
+    for key in sorted(flat.per_rank_stateful):
+        copies = {(o.bytes.byte_length, tuple(o.bytes.checksums)) for o in meta.objects
+                  if o.key == key and o.rank is not None}
+        if len(copies) > 1:
+            raise StateMismatchError(
+                f"state[{key!r}] was saved per rank by {meta.world_size} ranks with different "
+                f"values and cannot be split over {world_size} ranks: it does not know how to "
+                "reshard. Use a loader that does (bytecheckpoint.data.TokenLoader), or leave "
+                f"{key!r} out of the state and rebuild it"
+            )
 
 
 def _wanted(flat: FlatState) -> set[str]:
@@ -194,13 +210,13 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
             meta = read_metadata(storage, path)
         phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
-        saved_keys = {tm.key for tm in meta.tensors}
+        saved_keys = {tm.key for tm in meta.tensors} | {o.key for o in meta.objects}
         flat = flatten_state(
             state, for_load=True, fqn_map=fqn_map,
             has_saved_state=lambda prefix: any(k.startswith(prefix) for k in saved_keys),
         )
         planner = get_planner(framework, flat, comm)
-        mine = Outcome(value=(_wanted(flat), set(flat.kinds)))
+        mine = Outcome(value=(_wanted(flat), set(flat.kinds), list(flat.accept_prefixes)))
     except Exception as exc:
         local_error, mine = exc, Outcome.failure(exc)
     # The one collective before reading: every rank's keys (and any early failure).
@@ -259,6 +275,8 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
         # Per-rank objects come from the same rank when the world is unchanged, else from
         # rank 0 (replicated values such as counters stay right; see README).
         source_rank = comm.rank if meta.world_size == comm.world_size else 0
+        if meta.world_size != comm.world_size:
+            _check_splittable(meta, flat, comm.world_size)
         for obj in meta.objects:
             if obj.rank is None:
                 wanted = obj.key in flat.shared_objects or _accepted(flat, obj.key)

@@ -1,0 +1,81 @@
+"""Extra training state that is per rank by nature: random number generators.
+
+``state["rng"] = bcp.RNGState()`` saves Python's, NumPy's and torch's CPU generator (and
+every CUDA device's, when CUDA is initialised) for each rank, and restores them exactly.
+When the world size changes, rank ``r`` takes saved rank ``r``'s state if there was one;
+ranks beyond the old world size get fresh generators seeded from saved rank 0's state and
+their rank, so they differ from each other and are reproducible.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import StateMismatchError
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def capture_rng() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": np.array(internal, dtype=np.uint64), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": np.asarray(keys), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": torch.get_rng_state().numpy(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.numpy() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"]), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached"]))
+    torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.from_numpy(np.asarray(s, dtype=np.uint8))
+                                      for s in state["cuda"]])
+
+
+class RNGState:
+    """Every random number generator of this rank, as a checkpointable object."""
+
+    def checkpoint_shards(self) -> dict[str, Any]:
+        rank, world = _rank_world()
+        return {"world_size": world, f"rank/{rank}": capture_rng()}
+
+    def load_prefixes(self, has_saved: Callable[[str], bool]) -> list[str]:
+        rank, _ = _rank_world()
+        return ["world_size", f"rank/{rank}" if has_saved(f"rank/{rank}") else "rank/0"]
+
+    def restore_shards(self, entries: dict[str, Any]) -> None:
+        rank, _ = _rank_world()
+        own = entries.get(f"rank/{rank}")
+        if own is not None:
+            restore_rng(own)
+            return
+        base = entries.get("rank/0")
+        if base is None:
+            raise StateMismatchError("the checkpoint holds no RNG state")
+        restore_rng(base)
+        seed = int(np.frombuffer(np.asarray(base["torch"], dtype=np.uint8).tobytes()[:8], np.uint64)[0])
+        seed = (seed + 1_000_003 * rank) % (1 << 63)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        torch.manual_seed(seed)
