@@ -179,9 +179,10 @@ class FaultyStorage(StorageWrapper):
         self.injector = injector
 
     def _call(self, op: str, path: str, fn: Callable[[], T], nbytes: int | None = None) -> T:
-        self.injector.before(op, path)
+        self.injector.before(op, self.inner.url(path))
         return fn()
 
     def open_writer(self, path: str) -> Writer:
-        self.injector.before("open_writer", path)
-        return _FaultyWriter(self.inner.open_writer(path), self.injector, path)
+        url = self.inner.url(path)
+        self.injector.before("open_writer", url)
+        return _FaultyWriter(self.inner.open_writer(path), self.injector, url)
