@@ -68,6 +68,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    stop_moto()
+
+
+def stop_moto() -> None:
     proc = _STATE.pop("moto", None)
     if isinstance(proc, subprocess.Popen):
         proc.terminate()

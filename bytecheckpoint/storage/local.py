@@ -29,10 +29,14 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+_READ_CALL = 4 << 20
+
+
 def _pread_all(fd: int, offset: int, buffer: memoryview) -> int:
     total = 0
     while total < len(buffer):
-        n = os.preadv(fd, [buffer[total:]], offset + total)
+        # Calls of a few MiB let the kernel's readahead run ahead of the copy.
+        n = os.preadv(fd, [buffer[total : total + _READ_CALL]], offset + total)
         if n == 0:
             break
         total += n
@@ -93,12 +97,20 @@ class LocalStorage(Storage):
         return _LocalWriter(self._os_path(path), self.fsync, self.transfer)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
-        fd = os.open(self._os_path(path), os.O_RDONLY)
-        try:
-            return parallel.read_parts(lambda off, view: _pread_all(fd, off, view), offset, buffer,
-                                       self.transfer)
-        finally:
-            os.close(fd)
+        path = self._os_path(path)
+        os.stat(path)  # a missing file raises here, before any part is scheduled
+
+        def read_part(off: int, view: memoryview) -> int:
+            # One descriptor per part: the kernel keeps readahead state per open file, and
+            # parts sharing one descriptor would reset each other's.
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_SEQUENTIAL)
+                return _pread_all(fd, off, view)
+            finally:
+                os.close(fd)
+
+        return parallel.read_parts(read_part, offset, buffer, self.transfer)
 
     def size(self, path: str) -> int:
         path = self._os_path(path)
