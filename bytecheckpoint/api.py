@@ -30,9 +30,9 @@ def save(
     """Save ``state`` to the checkpoint directory ``path``; every rank must call it.
 
     Args:
-        path: a local path, ``file://...`` or ``mem://...``. The checkpoint appears there only
-            once every rank has written its files (atomic commit); ``<parent>/latest`` then
-            names it.
+        path: a local path, ``file://``, ``mem://``, ``shm://``, ``s3://`` or ``hdfs://`` (see
+            the README's Storage section). The checkpoint appears there only once every rank
+            has written its files (atomic commit); ``<parent>/latest`` then names it.
         framework: ``"ddp"``, ``"fsdp2"``, ``"dtensor"`` or ``"single"``; ``None`` detects it.
         step: the training step, recorded in the metadata and the ``latest`` pointer.
         user_metadata: small JSON-like values stored in the metadata.
