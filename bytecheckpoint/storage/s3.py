@@ -6,7 +6,7 @@ Object stores have no rename, so checkpoints commit by writing the metadata obje
 
 - Writes: a writer buffers into parts of ``part_bytes`` (at least 5 MiB, S3's minimum) and
   hands each full part to pyarrow's multipart upload, which uploads parts concurrently on its
-  I/O threads; at most ``threads`` parts are in flight, so memory stays bounded. Parts are
+  I/O threads; the stream is flushed every ``threads`` parts to bound the memory held. Parts are
   retried by the AWS SDK's own retry strategy (a part cannot be replayed from here once the
   caller's buffer is gone). A file smaller than one part is a single PUT at commit, and that
   commit can be retried whole.
