@@ -33,9 +33,9 @@ def save(
     """Save ``state`` to the checkpoint directory ``path``; every rank must call it.
 
     Args:
-        path: a local path, ``file://...`` or ``mem://...``. The checkpoint appears there only
-            once every rank has written its files (atomic commit); ``<parent>/latest`` then
-            names it.
+        path: a local path, ``file://``, ``mem://``, ``shm://``, ``s3://`` or ``hdfs://`` (see
+            the README's Storage section). The checkpoint appears there only once every rank
+            has written its files (atomic commit); ``<parent>/latest`` then names it.
         framework: ``"ddp"``, ``"fsdp"`` (v1), ``"fsdp2"``, ``"dtensor"`` (TP, 2-D meshes),
             ``"manual"`` (``TensorShard`` / Megatron ``ShardedTensor`` dicts) or ``"single"``;
             ``None`` detects it.

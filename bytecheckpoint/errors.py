@@ -66,3 +66,11 @@ class RankFailedError(CheckpointError):
 
 class StorageError(CheckpointError):
     """A storage backend operation failed."""
+
+
+class TransientStorageError(StorageError):
+    """A storage operation failed in a way that may succeed on retry (network, throttling)."""
+
+
+class PermanentStorageError(StorageError):
+    """A storage operation failed in a way no retry will fix (no bucket, no permission)."""

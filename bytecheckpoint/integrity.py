@@ -5,6 +5,13 @@ On storage with atomic rename, ranks write into a hidden staging directory next 
 final one (``.<name>.staging-<id>``); the coordinator writes the metadata last and renames
 the directory into place. A crash at any moment leaves either the old state or the new
 one, and a staging directory is never mistaken for a checkpoint.
+
+On object stores (``CommitMode.MARKER``: no rename, but a PUT of one object is atomic) ranks
+write straight into the final prefix and the metadata object, written last, is the commit.
+An in-progress marker object ``.<name>.staging-<id>`` next to it says a save is under way,
+so a crashed save is reported as "never committed" and cleaned up by the next save to the
+same path. The ``latest`` pointer is replaced by a single PUT. With ``overwrite=True`` the
+old checkpoint at the same path is uncommitted (metadata deleted first) when the save starts.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 from .checksums import bad_chunks
 from .errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
 from .metadata import METADATA_FILE, CheckpointMetadata, check_file_name
-from .storage import Storage, open_storage
+from .storage import CommitMode, Storage, open_storage
 
 LATEST_FILE = "latest"
 STAGING_TAG = ".staging-"
@@ -47,8 +54,54 @@ def stale_staging_dirs(storage: Storage, path: str) -> list[str]:
     return [posixpath.join(parent, n) for n in storage.list_dir(parent) if n.startswith(prefix)]
 
 
+def _uncommit(storage: Storage, path: str) -> None:
+    """Delete a checkpoint on an object store, its commit (the metadata) first, so a crash
+    part-way never leaves metadata that names deleted files."""
+    storage.delete(posixpath.join(path, METADATA_FILE))
+    storage.delete(path)
+
+
+def begin_save(storage: Storage, path: str, overwrite: bool, save_id: str) -> str:
+    """Check the target, clear what a crashed save to it left, and return where ranks write."""
+    marker = storage.commit_mode is CommitMode.MARKER
+    committed = storage.exists(posixpath.join(path, METADATA_FILE)) if marker else storage.exists(path)
+    stale = stale_staging_dirs(storage, path)
+    if marker and not committed and not stale and storage.list_dir(path):
+        committed = True  # files that no save of ours left: never write over them silently
+    if committed and not overwrite:
+        raise CheckpointExistsError(
+            f"{storage.url(path)} already holds a checkpoint; choose a new path or pass overwrite=True"
+        )
+    if marker and (stale or committed):
+        _uncommit(storage, path)
+    for leftover in stale:
+        storage.delete(leftover)  # left by a crashed save to the same path
+    staging = staging_path(path, save_id)
+    if not marker:
+        storage.makedirs(staging)
+        return staging
+    storage.write_bytes(staging, json.dumps({"save_id": save_id, "started": time.time()}).encode())
+    storage.makedirs(path)
+    return path
+
+
+def abandon(storage: Storage, staging: str, path: str, save_id: str) -> None:
+    """Remove what a failed save wrote; a committed checkpoint elsewhere is left alone."""
+    if storage.commit_mode is CommitMode.MARKER:
+        _uncommit(storage, staging)
+        storage.delete(staging_path(path, save_id))
+    else:
+        storage.delete(staging)
+
+
 def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id: str) -> None:
-    """Make ``staging`` visible as ``final`` (atomic rename; old copy moved aside first)."""
+    """Make ``staging`` visible as ``final`` (atomic rename; old copy moved aside first).
+
+    On object stores the metadata the caller wrote into ``final`` already committed it; the
+    in-progress marker is removed."""
+    if storage.commit_mode is CommitMode.MARKER:
+        storage.delete(staging_path(final, save_id))
+        return
     parent, name = split_checkpoint_path(final)
     replaced = None
     if storage.exists(final):
@@ -85,8 +138,12 @@ def update_latest(storage: Storage, final: str, step: int | None, save_id: str) 
     current = read_latest(storage, parent)
     if current is not None and step is not None and current.step is not None and current.step > step:
         return False
+    doc = json.dumps({"checkpoint": name, "step": step, "time": time.time()}).encode()
+    if storage.commit_mode is CommitMode.MARKER:
+        storage.write_bytes(posixpath.join(parent, LATEST_FILE), doc)  # one PUT: atomic
+        return True
     tmp = posixpath.join(parent, f".{LATEST_FILE}.tmp-{save_id}")
-    storage.write_bytes(tmp, json.dumps({"checkpoint": name, "step": step, "time": time.time()}).encode())
+    storage.write_bytes(tmp, doc)
     storage.rename(tmp, posixpath.join(parent, LATEST_FILE), overwrite=True)
     return True
 

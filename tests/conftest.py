@@ -29,3 +29,7 @@ def world() -> Iterator:
     yield get
     for pool in _POOLS.values():
         pool.close()
+
+
+# moto_server for the S3 tests, and checkpoint roots on each backend (tests/servers.py, roots.py).
+pytest_plugins = ["tests.servers", "tests.roots"]

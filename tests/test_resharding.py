@@ -3,6 +3,7 @@
 Runs real process groups (gloo on CPU): FSDP2 on 4 ranks saved, then loaded on 2, 3 (uneven
 shards), 1 process without a process group, and 4 again; DDP on 4 ranks saved and loaded
 into FSDP2 on 2; DTensors with assorted placements on a 2x2 mesh loaded into other layouts.
+Every test runs on each backend of ``storage_root`` (local disk, shared memory, S3 on moto).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def fsdp2_ckpt(world, tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("fsdp2"))
+def fsdp2_ckpt(world, storage_root):
+    root = storage_root("fsdp2")
     saved = world(4).run(w.fsdp2_train_save, root, STEPS)
     return root, saved
 
@@ -63,8 +64,8 @@ def test_fsdp2_back_on_4_ranks_continues_identically(world, fsdp2_ckpt):
         assert r["next_loss"] == s["next_loss"]
 
 
-def test_ddp_save_is_balanced_and_loads_into_fsdp2(world, tmp_path):
-    root = str(tmp_path / "ddp")
+def test_ddp_save_is_balanced_and_loads_into_fsdp2(world, storage_root):
+    root = storage_root("ddp")
     saved = world(4).run(w.ddp_train_save, root, 2)
     storage, path = resolve(root)
     meta = read_metadata(storage, path)
@@ -81,20 +82,23 @@ def test_ddp_save_is_balanced_and_loads_into_fsdp2(world, tmp_path):
         assert_same_state(saved[0]["ref"], r["state"])
 
 
+@pytest.fixture(scope="module")
+def dtensor_root(world, storage_root):
+    root = storage_root("dtensor")
+    world(4).run(w.dtensor_save, root)
+    return root
+
+
 @pytest.mark.parametrize("layout,n", [("shard_last", 3), ("mixed", 2), ("replicate", 4)])
-def test_dtensor_placements_reshard(world, tmp_path_factory, layout, n):
-    root = str(tmp_path_factory.getbasetemp() / "dtensor")
-    if not (tmp_path_factory.getbasetemp() / "dtensor" / "dtensor").exists():
-        world(4).run(w.dtensor_save, root)
+def test_dtensor_placements_reshard(world, dtensor_root, layout, n):
+    root = dtensor_root
     for rank_result in world(n).run(w.dtensor_load, root, layout):
         for name, shape, _ in w.DTENSOR_CASES:
             assert same_bits(rank_result[name], w.reference_tensor(name, shape)), name
 
 
-def test_dtensor_checkpoint_loads_into_plain_tensors(world, tmp_path_factory):
-    root = str(tmp_path_factory.getbasetemp() / "dtensor")
-    if not (tmp_path_factory.getbasetemp() / "dtensor" / "dtensor").exists():
-        world(4).run(w.dtensor_save, root)
+def test_dtensor_checkpoint_loads_into_plain_tensors(dtensor_root):
+    root = dtensor_root
     module = torch.nn.Module()
     for name, shape, _ in w.DTENSOR_CASES:
         module.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))

@@ -26,8 +26,8 @@ from .. import codec, errors
 from ..checksums import DEFAULT_CHUNK_BYTES
 from ..comm import Communicator, Outcome, summarize_failures
 from ..dtypes import dtype_name, safetensors_code
-from ..errors import CheckpointExistsError, RankFailedError
-from ..integrity import commit, split_checkpoint_path, staging_path, stale_staging_dirs, update_latest
+from ..errors import RankFailedError
+from ..integrity import abandon, begin_save, commit, split_checkpoint_path, update_latest
 from ..metadata import (
     METADATA_FILE,
     BoxTable,
@@ -260,17 +260,9 @@ def save(
                     try:
                         plans = [o.value[0] for o in gathered]
                         fw, layout = gathered[0].value[1], gathered[0].value[2]
-                        if storage.exists(path) and not overwrite:
-                            raise CheckpointExistsError(
-                                f"{storage.url(path)} already holds a checkpoint; choose a new "
-                                "path or pass overwrite=True"
-                            )
                         global_plan = plan_save(plans)
                         save_id = uuid.uuid4().hex[:12]
-                        staging = staging_path(path, save_id)
-                        for stale in stale_staging_dirs(storage, path):
-                            storage.delete(stale)  # left by a crashed save to the same path
-                        storage.makedirs(staging)
+                        staging = begin_save(storage, path, overwrite, save_id)
                         per_rank = [
                             Outcome(value=_Assignment(staging, save_id, items, shared_keys))
                             for items, shared_keys in zip(global_plan.assignments,
@@ -317,7 +309,7 @@ def save(
                     except Exception as exc:
                         local_error, result = exc, _coordinator_failure(exc)
                 if result.error is not None:
-                    storage.delete(assignment.staging)
+                    abandon(storage, assignment.staging, path, assignment.save_id)
             final = comm.broadcast(result)
         phases["commit"] = time.perf_counter() - t
         _raise_if_failed(final, local_error, "checkpoint save")

@@ -1,11 +1,18 @@
-"""Local disk: positional reads and writes, fsync on commit, atomic renames."""
+"""Local disk: positional reads and writes, fsync on commit, atomic renames.
+
+Large reads are split into parts read concurrently with ``os.preadv``; a large buffer handed
+to a writer is split into parts written concurrently with ``os.pwritev`` at their offsets
+(part size and thread count from :mod:`.config`).
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
 
+from . import parallel
 from .base import CommitMode, Storage, Writer
+from .config import TransferSettings, settings
 
 
 def _fsync_dir(path: str) -> None:
@@ -16,19 +23,44 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwritev(fd, [data], offset)
+        data, offset = data[n:], offset + n
+
+
+_READ_CALL = 4 << 20
+
+
+def _pread_all(fd: int, offset: int, buffer: memoryview) -> int:
+    total = 0
+    while total < len(buffer):
+        # Calls of a few MiB let the kernel's readahead run ahead of the copy.
+        n = os.preadv(fd, [buffer[total : total + _READ_CALL]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
+
+
 class _LocalWriter(Writer):
-    def __init__(self, path: str, fsync: bool) -> None:
+    def __init__(self, path: str, fsync: bool, transfer: TransferSettings) -> None:
         self._path = path
         self._fsync = fsync
+        self._transfer = transfer
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
 
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
-        while mv:
-            n = os.write(self._fd, mv)
-            mv = mv[n:]
-            self._size += n
+        # Positional writes at fixed offsets: a failed call can be repeated as a whole.
+        parts = parallel.split(self._size, len(mv), self._transfer.part_bytes)
+        base = self._size
+        parallel.run_parts(
+            [lambda o=o, n=n: _pwrite_all(self._fd, mv[o - base : o - base + n], o) for o, n in parts],
+            self._transfer,
+        )
+        self._size += len(mv)
 
     def commit(self) -> int:
         try:
@@ -52,28 +84,36 @@ class LocalStorage(Storage):
     scheme = "file"
     commit_mode = CommitMode.RENAME
 
-    def __init__(self, fsync: bool = True) -> None:
+    def __init__(self, fsync: bool = True, transfer: TransferSettings | None = None) -> None:
         # fsync is what makes a commit survive a power loss; tests may turn it off.
         self.fsync = fsync
+        self.transfer = transfer or settings().transfer
+
+    def _os_path(self, path: str) -> str:
+        """The operating-system path of ``path`` (subclasses map a namespace onto a root)."""
+        return path
 
     def open_writer(self, path: str) -> Writer:
-        return _LocalWriter(path, self.fsync)
+        return _LocalWriter(self._os_path(path), self.fsync, self.transfer)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
-        mv = memoryview(buffer).cast("B")
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            total = 0
-            while total < len(mv):
-                n = os.preadv(fd, [mv[total:]], offset + total)
-                if n == 0:
-                    break
-                total += n
-            return total
-        finally:
-            os.close(fd)
+        path = self._os_path(path)
+        os.stat(path)  # a missing file raises here, before any part is scheduled
+
+        def read_part(off: int, view: memoryview) -> int:
+            # One descriptor per part: the kernel keeps readahead state per open file, and
+            # parts sharing one descriptor would reset each other's.
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_SEQUENTIAL)
+                return _pread_all(fd, off, view)
+            finally:
+                os.close(fd)
+
+        return parallel.read_parts(read_part, offset, buffer, self.transfer)
 
     def size(self, path: str) -> int:
+        path = self._os_path(path)
         st = os.stat(path)
         if not os.path.isfile(path):
             raise IsADirectoryError(path)
@@ -81,17 +121,18 @@ class LocalStorage(Storage):
 
     def list_dir(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(path))
+            return sorted(os.listdir(self._os_path(path)))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def is_dir(self, path: str) -> bool:
-        return os.path.isdir(path)
+        return os.path.isdir(self._os_path(path))
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(self._os_path(path), exist_ok=True)
 
     def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        src, dst = self._os_path(src), self._os_path(dst)
         if overwrite and not os.path.isdir(dst):
             os.replace(src, dst)
         else:
@@ -102,6 +143,7 @@ class LocalStorage(Storage):
             _fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
 
     def delete(self, path: str) -> None:
+        path = self._os_path(path)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -1,0 +1,154 @@
+"""Storage settings: transfer sizes, retry policy, and per-backend endpoints and credentials.
+
+Values come from a TOML file named by ``BCP_STORAGE_CONFIG`` and from environment variables,
+which win over the file. Nothing here is ever put into an event or an error message except
+the names of settings: credentials stay in :class:`S3Settings` fields that ``repr`` hides.
+
+    [transfer]              # BCP_STORAGE_PART_BYTES, BCP_STORAGE_THREADS
+    part_bytes = 67108864
+    threads = 4
+    [retry]                 # BCP_STORAGE_RETRY_ATTEMPTS, _BASE_S, _MAX_S, _DEADLINE_S
+    attempts = 6
+    [s3]                    # BCP_S3_ENDPOINT or AWS_ENDPOINT_URL; AWS_ACCESS_KEY_ID, ...
+    endpoint = "http://127.0.0.1:9000"
+    region = "us-east-1"
+    [hdfs]                  # BCP_HDFS_URL
+    url = "hdfs://namenode:8020"
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from ..errors import StorageError
+
+CONFIG_ENV = "BCP_STORAGE_CONFIG"
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """How large reads and writes are split: parts of ``part_bytes`` on ``threads`` threads."""
+
+    part_bytes: int = 64 << 20
+    threads: int = 4
+
+    @property
+    def parallel(self) -> bool:
+        return self.threads > 1
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    """Exponential backoff with full jitter, bounded by attempts and by total time."""
+
+    attempts: int = 6
+    base_s: float = 0.05
+    max_s: float = 2.0
+    deadline_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    endpoint: str | None = None  # "http://host:port" for S3-compatible stores; None for AWS
+    region: str | None = None
+    access_key: str | None = field(default=None, repr=False)
+    secret_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class HdfsSettings:
+    url: str | None = None  # default name node when a path has no authority (hdfs:///x)
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    transfer: TransferSettings = TransferSettings()
+    retry: RetrySettings = RetrySettings()
+    s3: S3Settings = S3Settings()
+    hdfs: HdfsSettings = HdfsSettings()
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _number(source: str, raw: Any, kind: type) -> Any:
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise StorageError(f"storage setting {source}={raw!r} is not a valid {kind.__name__}") from None
+    if value <= 0:
+        raise StorageError(f"storage setting {source}={raw!r} must be positive")
+    return value
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise StorageError(f"{CONFIG_ENV} names {path!r}, which does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise StorageError(f"storage config {path!r} is not valid TOML: {exc}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
+    env = dict(key)
+    doc = _read_file(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else {}
+    sections = {name: dict(doc.get(name, {})) for name in ("transfer", "retry", "s3", "hdfs")}
+
+    def pick(section: str, name: str, env_name: str, kind: type | None = None) -> Any:
+        raw = env.get(env_name, sections[section].get(name))
+        if raw is None or kind is None:
+            return raw
+        return _number(env_name if env_name in env else f"[{section}].{name}", raw, kind)
+
+    d_transfer, d_retry = TransferSettings(), RetrySettings()
+    transfer = TransferSettings(
+        part_bytes=pick("transfer", "part_bytes", "BCP_STORAGE_PART_BYTES", int) or d_transfer.part_bytes,
+        threads=pick("transfer", "threads", "BCP_STORAGE_THREADS", int) or d_transfer.threads,
+    )
+    retry = RetrySettings(
+        attempts=pick("retry", "attempts", "BCP_STORAGE_RETRY_ATTEMPTS", int) or d_retry.attempts,
+        base_s=pick("retry", "base_s", "BCP_STORAGE_RETRY_BASE_S", float) or d_retry.base_s,
+        max_s=pick("retry", "max_s", "BCP_STORAGE_RETRY_MAX_S", float) or d_retry.max_s,
+        deadline_s=pick("retry", "deadline_s", "BCP_STORAGE_RETRY_DEADLINE_S", float) or d_retry.deadline_s,
+    )
+    s3 = S3Settings(
+        endpoint=env.get("BCP_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        or sections["s3"].get("endpoint"),
+        region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or sections["s3"].get("region"),
+        access_key=env.get("AWS_ACCESS_KEY_ID") or sections["s3"].get("access_key"),
+        secret_key=env.get("AWS_SECRET_ACCESS_KEY") or sections["s3"].get("secret_key"),
+        session_token=env.get("AWS_SESSION_TOKEN") or sections["s3"].get("session_token"),
+        connect_timeout_s=float(sections["s3"].get("connect_timeout_s", S3Settings.connect_timeout_s)),
+        request_timeout_s=float(sections["s3"].get("request_timeout_s", S3Settings.request_timeout_s)),
+    )
+    hdfs = HdfsSettings(url=env.get("BCP_HDFS_URL") or sections["hdfs"].get("url"))
+    return StorageSettings(transfer, retry, s3, hdfs)
+
+
+_ENV_NAMES = (
+    CONFIG_ENV, "BCP_STORAGE_PART_BYTES", "BCP_STORAGE_THREADS", "BCP_STORAGE_RETRY_ATTEMPTS",
+    "BCP_STORAGE_RETRY_BASE_S", "BCP_STORAGE_RETRY_MAX_S", "BCP_STORAGE_RETRY_DEADLINE_S",
+    "BCP_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "BCP_HDFS_URL",
+)
+
+
+def settings() -> StorageSettings:
+    """The settings in force now (re-read when the environment changes, cached otherwise)."""
+    return _load(tuple((n, v) for n in _ENV_NAMES if (v := _env(n)) is not None))

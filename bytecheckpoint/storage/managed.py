@@ -1,0 +1,123 @@
+"""What ``open_storage`` hands out: every backend operation retried and reported.
+
+Each primitive runs under the retry policy and becomes one telemetry event
+``storage.<op>`` with ``op``, ``backend``, ``path``, ``bytes``, ``attempt`` (attempts used),
+latency and outcome. A writer's calls are events too: ``storage.open``, ``storage.write``
+per buffer, ``storage.commit``, ``storage.abort``. Retried failures also emit
+``storage.retry`` events, so flaky storage shows up even when every operation succeeds.
+"Not found" is an answer, not a failure: its event has outcome ok and ``found=False``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from telemetry import span
+
+from ..errors import TransientStorageError
+from . import retry
+from .base import Storage, Writer
+from .config import RetrySettings
+from .wrapper import StorageWrapper
+
+T = TypeVar("T")
+
+_EVENT_NAMES = {"read_into": "storage.read", "list_dir": "storage.list", "open_writer": "storage.open"}
+
+
+def _gave_up(op: str, url: str, exc: BaseException, attempts: int, started: float) -> TransientStorageError:
+    return TransientStorageError(
+        f"{op} {url} failed after {attempts} attempts over {time.monotonic() - started:.1f}s: {exc}. "
+        "The storage is unreachable or overloaded: check the endpoint and network, or allow more "
+        "retries with BCP_STORAGE_RETRY_ATTEMPTS / BCP_STORAGE_RETRY_DEADLINE_S"
+    )
+
+
+class ManagedStorage(StorageWrapper):
+    def __init__(self, inner: Storage, policy: RetrySettings) -> None:
+        super().__init__(inner)
+        self.policy = policy
+
+    def _retry(self, op: str, path: str, fn: Callable[[], T], event) -> tuple[T, int]:
+        started = time.monotonic()
+
+        def on_retry(attempt: int, exc: BaseException, delay: float) -> None:
+            with span("storage.retry", op=op, backend=self.scheme, path=self.url(path), attempt=attempt,
+                      delay_s=round(delay, 4), error=f"{type(exc).__name__}: {exc}"[:300]):
+                pass
+
+        try:
+            return retry.call(fn, self.policy, on_retry=on_retry)
+        except Exception as exc:
+            attempts = getattr(exc, "attempts", 1)
+            event.set(attempt=attempts)
+            if retry.is_transient(exc):
+                raise _gave_up(op, self.url(path), exc, attempts, started) from exc
+            raise
+
+    def _call(self, op: str, path: str, fn: Callable[[], T], nbytes: int | None = None,
+              extra: dict[str, object] | None = None) -> T:
+        fields: dict[str, object] = {"op": op, "backend": self.scheme, "path": self.url(path)}
+        fields.update(extra or {})
+        if nbytes is not None:
+            fields["bytes"] = nbytes
+        missing: FileNotFoundError | None = None
+        with span(_EVENT_NAMES.get(op, f"storage.{op}"), **fields) as event:
+            try:
+                value, attempts = self._retry(op, path, fn, event)
+            except FileNotFoundError as exc:
+                event.set(found=False, attempt=getattr(exc, "attempts", 1))
+                missing = exc
+            else:
+                event.set(attempt=attempts)
+                if op == "read_into":
+                    event.set(bytes=value)
+        if missing is not None:
+            raise missing
+        return value
+
+    def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        state = {"tries": 0}
+
+        def attempt() -> None:
+            state["tries"] += 1
+            try:
+                self.inner.rename(src, dst, overwrite=overwrite)
+            except FileNotFoundError:
+                # An earlier attempt that reported failure may have moved it after all.
+                if state["tries"] > 1 and self.inner.exists(dst) and not self.inner.exists(src):
+                    return
+                raise
+
+        return self._call("rename", src, attempt)
+
+    def open_writer(self, path: str) -> Writer:
+        return _ManagedWriter(self, path)
+
+
+class _ManagedWriter(Writer):
+    """Retries each call (writers fail atomically per call); each call is one event.
+
+    ``storage.write`` events carry the bytes of that call, so their sum over a file is its
+    size; the ``storage.commit`` event also carries the whole file's bytes and seconds.
+    """
+
+    def __init__(self, storage: ManagedStorage, path: str) -> None:
+        self._storage, self._path = storage, path
+        self._started = time.perf_counter()
+        self._bytes = 0
+        self._inner = storage._call("open_writer", path, lambda: storage.inner.open_writer(path))
+
+    def write(self, data: memoryview | bytes) -> None:
+        n = memoryview(data).nbytes
+        self._storage._call("write", self._path, lambda: self._inner.write(data), nbytes=n)
+        self._bytes += n
+
+    def commit(self) -> int:
+        extra = {"file_bytes": self._bytes, "file_s": round(time.perf_counter() - self._started, 6)}
+        return self._storage._call("commit", self._path, self._inner.commit, extra=extra)
+
+    def abort(self) -> None:
+        self._storage._call("abort", self._path, self._inner.abort)

@@ -1,0 +1,262 @@
+"""S3 and S3-compatible object stores (``s3://bucket/key``) through ``pyarrow.fs.S3FileSystem``.
+
+Object stores have no rename, so checkpoints commit by writing the metadata object last
+(``CommitMode.MARKER``); a PUT of one object is atomic, which is what the commit and the
+``latest`` pointer rely on.
+
+- Writes: a writer buffers into parts of ``part_bytes`` (at least 5 MiB, S3's minimum) and
+  hands each full part to pyarrow's multipart upload, which uploads parts concurrently on its
+  I/O threads; the stream is flushed every ``threads`` parts to bound the memory held. Parts are
+  retried by the AWS SDK's own retry strategy (a part cannot be replayed from here once the
+  caller's buffer is gone). A file smaller than one part is a single PUT at commit, and that
+  commit can be retried whole.
+- Reads: one object handle, then ranged GETs of ``part_bytes`` on ``threads`` threads.
+- Endpoint, region and credentials come from the environment or the config file
+  (:mod:`.config`); without keys, pyarrow uses the AWS default chain (profile, IMDS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pyarrow.fs as pafs
+
+from ..errors import PermanentStorageError, StorageError, TransientStorageError
+from . import parallel
+from .base import CommitMode, Storage, Writer
+from .config import RetrySettings, S3Settings, TransferSettings, settings
+
+MIN_PART_BYTES = 5 << 20
+
+# AWS error names pyarrow puts in its messages, and what a person should do about each.
+_PERMANENT = {
+    "NO_SUCH_BUCKET": "the bucket does not exist: create it, or fix the bucket name in the path",
+    "ACCESS_DENIED": "access denied: grant this identity s3:GetObject/PutObject/ListBucket/"
+                     "DeleteObject on the bucket, or use other credentials",
+    "INVALID_ACCESS_KEY_ID": "the access key is not valid: check AWS_ACCESS_KEY_ID",
+    "SIGNATURE_DOES_NOT_MATCH": "the secret key does not match the access key: check "
+                                "AWS_SECRET_ACCESS_KEY",
+    "EXPIRED_TOKEN": "the session token has expired: refresh the credentials",
+    "INVALID_BUCKET_NAME": "the bucket name is not valid: fix the path",
+}
+_FORBIDDEN = re.compile(r"HTTP response code:?\s*403|\b403\b.*Forbidden")
+
+
+def _translate(exc: OSError, what: str) -> Exception:
+    """Map a pyarrow error to a permanent or transient storage error with a plain message."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return exc
+    text = str(exc)
+    for name, advice in _PERMANENT.items():
+        if name in text:
+            return PermanentStorageError(f"{what}: {advice} ({text})")
+    if _FORBIDDEN.search(text):
+        return PermanentStorageError(f"{what}: {_PERMANENT['ACCESS_DENIED']} ({text})")
+    if "allow_bucket_creation" in text or "Bucket" in text and "not found" in text:
+        return PermanentStorageError(f"{what}: {_PERMANENT['NO_SUCH_BUCKET']} ({text})")
+    return TransientStorageError(f"{what}: {text}")
+
+
+@contextlib.contextmanager
+def _errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        translated = _translate(exc, what)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+
+def _endpoint(raw: str) -> tuple[str, str]:
+    """``"http://host:port"`` → ``("host:port", "http")``; a bare ``host:port`` means https."""
+    if "://" not in raw:
+        return raw, "https"
+    parts = urlsplit(raw)
+    return parts.netloc, parts.scheme
+
+
+@functools.lru_cache(maxsize=4)
+def _filesystem(s3: S3Settings, retry: RetrySettings) -> pafs.S3FileSystem:
+    kwargs: dict[str, object] = {
+        "region": s3.region,
+        "connect_timeout": s3.connect_timeout_s,
+        "request_timeout": s3.request_timeout_s,
+        # Parts of a multipart upload are retried inside the SDK (see module docstring).
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=retry.attempts),
+    }
+    if s3.endpoint:
+        kwargs["endpoint_override"], kwargs["scheme"] = _endpoint(s3.endpoint)
+    if s3.access_key or s3.secret_key:
+        if not (s3.access_key and s3.secret_key):
+            raise PermanentStorageError(
+                "S3 credentials are incomplete: set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or neither, to use the default AWS credential chain)"
+            )
+        kwargs.update(access_key=s3.access_key, secret_key=s3.secret_key, session_token=s3.session_token)
+    return pafs.S3FileSystem(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+class _S3Writer(Writer):
+    def __init__(self, storage: S3Storage, path: str) -> None:
+        self._storage, self._path = storage, path
+        self._part = max(MIN_PART_BYTES, storage.transfer.part_bytes)
+        self._buffer = bytearray()
+        self._stream: pafs.NativeFile | None = None
+        self._in_flight = 0
+        self._size = 0
+        self._broken: str | None = None
+
+    def _check(self) -> None:
+        if self._broken:
+            raise PermanentStorageError(
+                f"{self._storage.url(self._path)}: an earlier part upload failed after the S3 client's "
+                f"own retries ({self._broken}); this file cannot be completed: write it again"
+            )
+
+    def _send(self, part: bytes) -> None:
+        what = f"upload of {self._storage.url(self._path)}"
+        try:
+            with _errors(what):
+                if self._stream is None:
+                    self._stream = self._storage.fs.open_output_stream(self._path)
+                self._stream.write(part)  # uploaded as one part in the background
+                self._in_flight += 1
+                if self._in_flight >= self._storage.transfer.threads:
+                    self._stream.flush()  # waits for the parts in flight: bounds memory
+                    self._in_flight = 0
+        except Exception as exc:
+            self._broken = str(exc)
+            raise
+
+    def write(self, data: memoryview | bytes) -> None:
+        self._check()
+        mv = memoryview(data).cast("B")
+        self._size += len(mv)
+        while len(mv):
+            take = min(len(mv), self._part - len(self._buffer))
+            self._buffer += mv[:take]
+            mv = mv[take:]
+            if len(self._buffer) == self._part:
+                part, self._buffer = bytes(self._buffer), bytearray()
+                self._send(part)
+
+    def commit(self) -> int:
+        self._check()
+        what = f"commit of {self._storage.url(self._path)}"
+        if self._stream is None:
+            # Small file: one PUT of the whole buffer; a failed attempt can be retried as is.
+            with _errors(what), self._storage.fs.open_output_stream(self._path) as stream:
+                stream.write(bytes(self._buffer))
+            return self._size
+        try:
+            with _errors(what):
+                if self._buffer:
+                    self._stream.write(bytes(self._buffer))
+                    self._buffer = bytearray()
+                self._stream.close()  # completes the multipart upload
+        except Exception as exc:
+            self._broken = str(exc)
+            raise
+        return self._size
+
+    def abort(self) -> None:
+        self._buffer = bytearray()
+        if self._stream is not None:
+            # pyarrow aborts an unfinished multipart upload when the stream is discarded.
+            with contextlib.suppress(Exception):
+                self._stream.abort()
+            self._stream = None
+
+
+class S3Storage(Storage):
+    scheme = "s3"
+    commit_mode = CommitMode.MARKER
+
+    def __init__(self, s3: S3Settings | None = None, transfer: TransferSettings | None = None,
+                 retry: RetrySettings | None = None) -> None:
+        conf = settings()
+        self.transfer = transfer or conf.transfer
+        with _errors("S3 client setup"):
+            self.fs = _filesystem(s3 or conf.s3, retry or conf.retry)
+
+    @staticmethod
+    def _key(path: str) -> str:
+        path = path.strip("/")
+        if not path:
+            raise PermanentStorageError("an s3:// path needs a bucket: s3://bucket/prefix")
+        return path
+
+    def open_writer(self, path: str) -> Writer:
+        return _S3Writer(self, self._key(path))
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
+        key = self._key(path)
+        with _errors(f"read of {self.url(key)}"):
+            handle = self.fs.open_input_file(key)
+
+        def read_part(off: int, view: memoryview) -> int:
+            with _errors(f"read of {self.url(key)} at {off}"):
+                data = handle.read_at(len(view), off)
+            view[: len(data)] = memoryview(data)
+            return len(data)
+
+        try:
+            if offset >= handle.size():
+                return 0
+            return parallel.read_parts(read_part, offset, buffer, self.transfer)
+        finally:
+            handle.close()
+
+    def _info(self, key: str) -> pafs.FileInfo:
+        with _errors(f"lookup of {self.url(key)}"):
+            return self.fs.get_file_info(key)
+
+    def size(self, path: str) -> int:
+        key = self._key(path)
+        info = self._info(key)
+        if info.type == pafs.FileType.File:
+            return info.size
+        if info.type == pafs.FileType.Directory:
+            raise IsADirectoryError(self.url(key))
+        raise FileNotFoundError(self.url(key))
+
+    def list_dir(self, path: str) -> list[str]:
+        key = self._key(path)
+        with _errors(f"listing of {self.url(key)}"):
+            infos = self.fs.get_file_info(pafs.FileSelector(key, allow_not_found=True))
+        return sorted(i.base_name for i in infos)
+
+    def is_dir(self, path: str) -> bool:
+        return self._info(self._key(path)).type == pafs.FileType.Directory
+
+    def makedirs(self, path: str) -> None:
+        key = self._key(path)
+        with _errors(f"creating {self.url(key)}"):
+            self.fs.create_dir(key, recursive=True)
+
+    def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        """Copy then delete: S3 has no rename, so this is not atomic. The commit protocol never
+        relies on it (``CommitMode.MARKER``); it exists for tools that move single objects."""
+        src, dst = self._key(src), self._key(dst)
+        if self._info(src).type != pafs.FileType.File:
+            raise StorageError(f"{self.url(src)}: only single objects can be renamed on S3")
+        if not overwrite and self._info(dst).type != pafs.FileType.NotFound:
+            raise FileExistsError(self.url(dst))
+        with _errors(f"rename of {self.url(src)}"):
+            self.fs.move(src, dst)
+
+    def delete(self, path: str) -> None:
+        key = self._key(path)
+        info = self._info(key)
+        with _errors(f"delete of {self.url(key)}"):
+            if info.type == pafs.FileType.Directory:
+                self.fs.delete_dir(key)
+            elif info.type == pafs.FileType.File:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.delete_file(key)
+

@@ -1,0 +1,51 @@
+"""A storage that forwards every primitive to another one through a single hook."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from .base import Storage, Writer
+
+T = TypeVar("T")
+
+
+class StorageWrapper(Storage):
+    """Forwards to ``inner``; subclasses override ``_call`` (and ``open_writer``) to add
+    behaviour around each operation. Identity (scheme, commit mode, URLs) is the inner one."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.scheme = inner.scheme  # type: ignore[misc]
+        self.commit_mode = inner.commit_mode  # type: ignore[misc]
+
+    def _call(self, op: str, path: str, fn: Callable[[], T], nbytes: int | None = None) -> T:
+        return fn()
+
+    def open_writer(self, path: str) -> Writer:
+        return self.inner.open_writer(path)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
+        return self._call("read_into", path, lambda: self.inner.read_into(path, offset, buffer),
+                          nbytes=len(memoryview(buffer).cast("B")))
+
+    def size(self, path: str) -> int:
+        return self._call("size", path, lambda: self.inner.size(path))
+
+    def list_dir(self, path: str) -> list[str]:
+        return self._call("list_dir", path, lambda: self.inner.list_dir(path))
+
+    def is_dir(self, path: str) -> bool:
+        return self._call("is_dir", path, lambda: self.inner.is_dir(path))
+
+    def makedirs(self, path: str) -> None:
+        return self._call("makedirs", path, lambda: self.inner.makedirs(path))
+
+    def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        return self._call("rename", src, lambda: self.inner.rename(src, dst, overwrite=overwrite))
+
+    def delete(self, path: str) -> None:
+        return self._call("delete", path, lambda: self.inner.delete(path))
+
+    def url(self, path: str) -> str:
+        return self.inner.url(path)
