@@ -13,6 +13,9 @@ os.environ.setdefault("BCP_TELEMETRY_DIR", tempfile.mkdtemp(prefix="bcp-test-tel
 
 from tests.dist import WorldPool  # noqa: E402
 
+# Broker and store fixtures for the telemetry pipeline tests.
+pytest_plugins = ["tests.telemetry_servers"]
+
 _POOLS: dict[int, WorldPool] = {}
 
 
