@@ -16,6 +16,7 @@ import threading
 
 from telemetry.sinks.kafka import DEFAULT_TOPIC
 from telemetry.store import StoreConfigError, default_dsn
+from telemetry.store.client import normalize_dsn
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in ("kafka", "kafka.conn", "kafka.coordinator"):
         logging.getLogger(name).setLevel(logging.ERROR)  # their reconnect chatter is not ours to report
-    dsn = args.dsn or default_dsn()
+    try:
+        dsn = normalize_dsn(args.dsn or default_dsn())  # a bad DSN is reported now, not at first insert
+    except StoreConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from telemetry.ingest.runner import Ingester
 
     try:

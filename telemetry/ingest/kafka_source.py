@@ -69,7 +69,9 @@ class KafkaSource:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            records = self._consumer.poll(timeout_ms=int(remaining * 1000) + 1, max_records=500)
+            # One message at a time (each holds many events), so a batch stops near max_events;
+            # poll() serves later messages from its fetch buffer without a round trip.
+            records = self._consumer.poll(timeout_ms=int(remaining * 1000) + 1, max_records=1)
             if not records and events:
                 break
             for tp, messages in records.items():
