@@ -23,6 +23,9 @@ BATCH_MAX = 1024
 # put_nowait() would hand the GIL to the writer for a one-event batch, which multiplies
 # the per-span cost seen by callers. flush() and shutdown() cut the wait short.
 LINGER_S = 0.05
+# With nothing queued for this long the writer calls sink.poll(), so a sink can re-send
+# what it spooled while its destination was down even when no new events arrive.
+IDLE_POLL_S = 1.0
 
 
 class Emitter:
@@ -85,7 +88,11 @@ class Emitter:
         q = self._queue
         try:
             while True:
-                item = q.get()
+                try:
+                    item = q.get(timeout=IDLE_POLL_S)
+                except queue.Empty:
+                    self._poll_sink()
+                    continue
                 if q.qsize() < BATCH_MAX and not self._wake.is_set():
                     self._wake.wait(LINGER_S)
                 self._wake.clear()
@@ -143,6 +150,16 @@ class Emitter:
             if ok:
                 self._written += len(batch)
             else:
+                self._sink_errors += 1
+
+    def _poll_sink(self) -> None:
+        try:
+            with self._sink_lock:
+                sink = self._sink
+                if sink is not None:
+                    sink.poll()
+        except Exception:  # noqa: BLE001 - sinks are third-party code
+            with self._counts:
                 self._sink_errors += 1
 
     # -- control -------------------------------------------------------------------
@@ -237,13 +254,22 @@ class Emitter:
 
     def stats(self) -> dict[str, int]:
         with self._counts:
-            return {
+            out = {
                 "emitted": self._emitted,
                 "written": self._written,
                 "dropped": self._dropped,
                 "sink_errors": self._sink_errors,
                 "queue_size": self._queue.qsize(),
             }
+        sink = self._sink
+        if sink is not None:
+            try:
+                # Sink counters (e.g. spooled, resent, sink_dropped) read without the sink lock:
+                # they are plain ints, and stats() must not wait behind a slow send.
+                out.update({f"sink_{key}": int(value) for key, value in sink.stats().items()})
+            except Exception:  # noqa: BLE001 - sinks are third-party code
+                pass
+        return out
 
     def _after_fork_in_child(self) -> None:
         # The parent's writer thread does not exist here and its locks may be held;
@@ -270,7 +296,9 @@ def shutdown(timeout: float = 5.0) -> bool:
 
 
 def stats() -> dict[str, int]:
-    """Counters for this process: emitted, written, dropped, sink_errors, queue_size."""
+    """Counters for this process: emitted, written, dropped, sink_errors, queue_size, and the
+    sink's own counters prefixed ``sink_`` (the Kafka sink: sink_sent, sink_spooled, sink_resent,
+    sink_dropped, sink_pending_bytes)."""
     return EMITTER.stats()
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 from telemetry.config import settings
 from telemetry.context import CONTEXT_KEYS, event_context
 from telemetry.emitter import EMITTER
+from telemetry.schema import SCOPE_SPANS
 
 if TYPE_CHECKING:  # typing.Self needs Python 3.11 at runtime
     from typing import Self
@@ -26,7 +27,10 @@ if TYPE_CHECKING:  # typing.Self needs Python 3.11 at runtime
 PROMOTED_KEYS: tuple[str, ...] = ("bytes", "path", "backend", "op", "attempt", "phase")
 MAX_ERROR_CHARS = 500
 
+# Set from the enclosing scope span (see telemetry.schema), never copied into attrs.
+SCOPE_KEYS: tuple[str, ...] = ("checkpoint", "checkpoint_op")
 _TOP_LEVEL = frozenset(PROMOTED_KEYS) | frozenset(CONTEXT_KEYS)
+_SCOPE_NAMES = frozenset(SCOPE_SPANS)
 _SCALARS = (str, int, bool, type(None))
 _MAX_DEPTH = 8
 
@@ -45,6 +49,10 @@ if hasattr(os, "register_at_fork"):
 _PLAIN_TYPES = frozenset({str, int, bool, type(None)})
 
 _current: ContextVar[Span | None] = ContextVar("bcp_telemetry_span", default=None)
+# Scope spans open in this process, newest last. A span with no parent in its own context
+# (e.g. a read in a ThreadPoolExecutor worker) takes the newest open scope, so I/O done on
+# behalf of a save or load is attributed to it without the caller copying contextvars.
+_open_scopes: list[Span] = []
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -92,6 +100,7 @@ class Span:
     __slots__ = (
         "_active",
         "_parent",
+        "_scope",
         "_t0",
         "_token",
         "duration_s",
@@ -114,6 +123,7 @@ class Span:
         self.outcome: str | None = None
         self.error: str | None = None
         self._parent: Span | None = None
+        self._scope: tuple[str | None, str | None] | None = None
         self._token: Token[Span | None] | None = None
         self._t0 = 0.0
         self._active = False
@@ -131,6 +141,7 @@ class Span:
         self._parent = parent
         self.parent_id = parent.event_id if parent is not None else None
         self.event_id = _new_event_id()
+        self._enter_scope(parent)
         self._token = _current.set(self)
         self.ts = time.time()
         self._t0 = time.perf_counter()
@@ -147,6 +158,9 @@ class Span:
         self.duration_s = time.perf_counter() - self._t0
         self._active = False
         self._restore_parent()
+        if self.name in _SCOPE_NAMES:
+            with contextlib.suppress(ValueError):  # list.remove on a scope already gone
+                _open_scopes.remove(self)
         if exc_type is None:
             self.outcome = "ok"
         else:
@@ -157,6 +171,24 @@ class Span:
             EMITTER.emit(self.to_event())
         # Never swallow the exception: the caller sees exactly what the body raised.
         return False
+
+    def _enter_scope(self, parent: Span | None) -> None:
+        fields = self.fields
+        if self.name in _SCOPE_NAMES:
+            self._scope = (_as_str(fields.get("checkpoint", fields.get("path"))), self.name)
+            # list.append is atomic under the GIL; readers only look at the last item.
+            _open_scopes.append(self)
+            return
+        if parent is not None:
+            inherited = parent._scope
+        else:
+            try:
+                inherited = _open_scopes[-1]._scope
+            except IndexError:
+                inherited = None
+        if "checkpoint" in fields:
+            inherited = (_as_str(fields["checkpoint"]), inherited[1] if inherited else None)
+        self._scope = inherited
 
     def _restore_parent(self) -> None:
         token, self._token = self._token, None
@@ -182,6 +214,8 @@ class Span:
             "parent_id": self.parent_id,
         }
         event.update(columns)
+        scope = self._scope
+        event["checkpoint"], event["checkpoint_op"] = scope if scope is not None else (None, None)
         # Extra set_context() fields travel with the event but outside the fixed columns.
         attrs: dict[str, Any] = dict(extras) if extras else {}
         for key, value in self.fields.items():
@@ -189,10 +223,16 @@ class Span:
                 value = _jsonable(value)
             if key in _TOP_LEVEL:
                 event[key] = value
+            elif key in SCOPE_KEYS:
+                continue
             else:
                 attrs[key] = value
         event["attrs"] = attrs
         return event
+
+
+def _as_str(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def span(name: str, /, **fields: Any) -> Span:

@@ -13,6 +13,11 @@ os.environ.setdefault("BCP_TELEMETRY_DIR", tempfile.mkdtemp(prefix="bcp-test-tel
 
 from tests.dist import WorldPool  # noqa: E402
 
+# Real servers started on 127.0.0.1 by the session: moto_server for S3 (tests/servers.py),
+# checkpoint roots on each backend (tests/roots.py), the Kafka broker and the ClickHouse
+# stores of the telemetry pipeline (tests/telemetry_servers.py).
+pytest_plugins = ["tests.servers", "tests.roots", "tests.telemetry_servers"]
+
 _POOLS: dict[int, WorldPool] = {}
 
 
@@ -31,5 +36,3 @@ def world() -> Iterator:
         pool.close()
 
 
-# moto_server for the S3 tests, and checkpoint roots on each backend (tests/servers.py, roots.py).
-pytest_plugins = ["tests.servers", "tests.roots"]

@@ -26,6 +26,8 @@ EVENT_KEYS = {
     "outcome",
     "error",
     "parent_id",
+    "checkpoint",
+    "checkpoint_op",
     "job",
     "run",
     "step",

@@ -21,6 +21,14 @@ class Sink(abc.ABC):
         """Push buffered data to its destination."""
         return
 
+    def poll(self) -> None:
+        """Called by the writer thread when idle (about once a second): retry deferred work."""
+        return
+
+    def stats(self) -> dict[str, int]:
+        """Sink counters, merged into telemetry.stats() with a ``sink_`` prefix."""
+        return {}
+
     def close(self) -> None:
         """Release resources; the emitter may still call emit() afterwards."""
         return
