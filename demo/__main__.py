@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from bytecheckpoint.data import TokenSource, synthetic_sources
 from demo.model import GPT
 from demo.train import DEMO_CONFIG, JobSpec, run_rank
 
@@ -63,9 +65,12 @@ def main() -> None:
 
     console.print(f"training on {args.train_world} processes for {args.steps} steps, "
                   f"checkpoint every {args.save_every} ...")
-    train = _launch(args.train_world, JobSpec(root, 0, args.steps, args.save_every, False))
+    sources = synthetic_sources(f"{root}/data", [1500, 1000], vocab=DEMO_CONFIG.vocab_size,
+                                min_len=8, max_len=300, seed=0)
+    train = _launch(args.train_world, JobSpec(root, 0, args.steps, args.save_every, False, sources))
     console.print(f"resuming on {args.resume_world} processes from the latest checkpoint ...")
-    resume = _launch(args.resume_world, JobSpec(root, 0, args.resume_steps, args.save_every, True))
+    resume = _launch(args.resume_world, JobSpec(root, 0, args.resume_steps, args.save_every, True,
+                                                sources))
 
     table = Table(title=f"checkpoints (saved by {args.train_world} ranks)")
     for col in ("step", "path", "size", "metadata", "files", "save s (max rank)", "plan / write / commit s"):
@@ -96,6 +101,7 @@ def main() -> None:
     console.print(f"loss (mean over ranks): step 1 {first_loss:.4f} → step {last} {last_loss:.4f} "
                   f"(trained on {args.train_world}) → step {final} {resumed_loss:.4f} "
                   f"(resumed on {args.resume_world})")
+    data_ok = _report_data(console, sources, train, resume, args)
     spool = f"{root}/telemetry"
     events = 0
     for name in os.listdir(spool) if os.path.isdir(spool) else []:
@@ -104,6 +110,36 @@ def main() -> None:
     console.print(f"telemetry: {events} events spooled in {os.path.relpath(spool)}")
     if not same:
         raise SystemExit("resumed state differs from the saved state")
+    if not data_ok:
+        raise SystemExit("the data loader lost or repeated tokens across the resume")
+
+
+def _report_data(console: Console, sources: list[str], train: list[dict], resume: list[dict],
+                 args: argparse.Namespace) -> bool:
+    """Tokens trained on up to the checkpoint, plus everything after the resume (training,
+    then the rest of the data) must cover every token of every sample exactly once."""
+    saved_step = max(s["step"] for s in train[0]["saves"])
+    runs = [r for t in train for step, rs in t["data"].items() if int(step) <= saved_step for r in rs]
+    runs += [r for t in resume for rs in t["data"].values() for r in rs]
+    runs += [r for t in resume for r in t["drained"]]
+    counts: collections.Counter = collections.Counter()
+    for sid, start, n in runs:
+        for pos in range(start, start + n):
+            counts[(sid, pos)] += 1
+    expected = {((s << 40) | i, pos) for s, path in enumerate(sources)
+                for i, length in enumerate(TokenSource(path).length(j) for j in range(len(TokenSource(path))))
+                for pos in range(length)}
+    repeated = sum(1 for c in counts.values() if c > 1)
+    lost = len(expected - set(counts))
+    collect = [s["loader_collect_s"] for t in train for s in t["saves"] if s["loader_prefetched"]]
+    console.print(
+        f"data: {len(expected):,} tokens in {len({k[0] for k in expected}):,} samples; trained on "
+        f"{args.train_world} DP ranks to step {saved_step}, resumed on {args.resume_world} DP "
+        f"ranks and read to the end: {lost} lost, {repeated} repeated"
+        + (f"; loader state at checkpoints collected in {1e3 * max(collect):.2f} ms (prefetched)"
+           if collect else "")
+    )
+    return lost == 0 and repeated == 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 import bytecheckpoint as bcp
 import telemetry
-from demo.model import GPT, GPTConfig, batch, loss_fn
+from bytecheckpoint.data import TokenLoader
+from demo.model import GPT, GPTConfig, loss_fn
 
 DEMO_CONFIG = GPTConfig(vocab_size=4099, context=64, dim=256, heads=8, layers=4, mlp_ratio=4)
 
@@ -29,6 +30,12 @@ class JobSpec:
     steps: int
     save_every: int
     resume: bool
+    sources: list[str]
+
+
+def _runs(batch) -> list[list[int]]:  # noqa: ANN001
+    """(sample id, first token, tokens) of every run of sample tokens in a batch."""
+    return [[int(i), int(s), int(n)] for p in batch.pieces for i, s, n in zip(p.ids, p.starts, p.lengths)]
 
 
 def fingerprint(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
@@ -65,18 +72,25 @@ def run_rank(rank: int, world: int, port: int, spec_json: str) -> None:
                             world_size=world, timeout=timedelta(seconds=300))
     telemetry.set_context(job="demo", run=f"world{world}", rank=rank, world_size=world, dp=rank)
     model, optim = build(world)
+    # Two weighted sources, packed into 65-token windows by 2 reader processes per rank;
+    # the loader's state is prepared during the step before each checkpoint.
+    loader = TokenLoader(spec.sources, [3.0, 1.0], context=DEMO_CONFIG.context, batch_size=8,
+                         workers=2, checkpoint_every=spec.save_every, buffer_tokens=2048)
+    extra: dict = {}
+    state = {"model": model, "optimizer": optim, "dataloader": loader, "rng": bcp.RNGState(),
+             "extra_state": extra}
     ckpt_root = f"{spec.root}/checkpoints"
-    record: dict = {"rank": rank, "world": world, "saves": [], "losses": {}}
+    record: dict = {"rank": rank, "world": world, "saves": [], "losses": {}, "data": {}}
     if spec.resume:
-        result = bcp.load(ckpt_root, {"model": model, "optimizer": optim, "extra_state": {}},
-                          strict=False)
+        result = bcp.load(ckpt_root, state)
         record["load"] = {"path": result.path, "step": result.step, "seconds": result.duration_s,
                           "bytes_read": result.bytes_read, "phases": result.phases}
         record["fingerprint_after_load"] = fingerprint(model, optim)
         spec.first_step = result.step
     for step in range(spec.first_step, spec.first_step + spec.steps):
-        inputs, targets = batch(DEMO_CONFIG, step, rank, size=8)
-        loss = loss_fn(model, inputs, targets)
+        batch = next(loader)
+        record["data"][step + 1] = _runs(batch)
+        loss = loss_fn(model, batch.inputs, batch.targets)
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -84,13 +98,17 @@ def run_rank(rank: int, world: int, port: int, spec_json: str) -> None:
         done = step + 1
         if not spec.resume and done % spec.save_every == 0:
             t = time.perf_counter()
-            res = bcp.save(f"{ckpt_root}/step_{done}", {"model": model, "optimizer": optim,
-                                                      "extra_state": {"step": done}}, step=done)
+            extra["step"] = done
+            res = bcp.save(f"{ckpt_root}/step_{done}", state, step=done)
             record["saves"].append({"step": done, "path": res.path, "seconds": time.perf_counter() - t,
                                     "bytes": res.bytes_written, "total_bytes": res.total_bytes,
                                     "metadata_bytes": res.metadata_bytes, "files": res.files,
-                                    "phases": res.phases})
+                                    "phases": res.phases, "loader_collect_s": loader.last_collect_s,
+                                    "loader_prefetched": loader.last_collect_prepared})
             record["fingerprint_at_last_save"] = fingerprint(model, optim)
+    if spec.resume:  # read the rest of the data, to show every token comes exactly once
+        record["drained"] = [run for b in loader for run in _runs(b)]
+    loader.close()
     telemetry.flush()
     with open(f"{spec.root}/stats/{'resume' if spec.resume else 'train'}-rank{rank}.json", "w") as f:
         json.dump(record | {"spec": asdict(spec)}, f)
