@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from telemetry import span
+
 from ..errors import StateMismatchError
 from .source import TokenSource
 from .streams import Layout, Pieces, StreamState, initial_states, reshard
@@ -239,7 +241,7 @@ class TokenLoader:
             if self._requested[w] != tag:  # not prepared ahead (or for another batch)
                 self._conns[w].send(("state", tag))
                 self._requested[w] = tag
-        with self._state_ready:
+        with span("save.loader", prefetched=self.last_collect_prepared), self._state_ready:
             self._state_ready.wait_for(
                 lambda: self._failed is not None or all(tag in p for p in self._prepared))
             if self._failed is not None:
