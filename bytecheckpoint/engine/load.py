@@ -35,6 +35,7 @@ from ..errors import (
     StateMismatchError,
 )
 from ..integrity import check_file_sizes, read_metadata, resolve
+from ..leases import lease_for_load
 from ..metadata import CheckpointMetadata, SavedBox
 from ..planners import LocalShard, get_planner
 from ..sharding import Box, element_span, row_major_strides
@@ -184,7 +185,8 @@ def load(
     phases: dict[str, float] = {}
     error: BaseException | None = None
     result: LoadResult | None = None
-    with span("load", path=url) as total:
+    # The read lease tells a tiering service not to move this checkpoint while it is read.
+    with span("load", path=url) as total, lease_for_load(url):
         try:
             result = _load_local(url, state, framework, strict, comm, verify, threads, phases,
                                  fqn_map)

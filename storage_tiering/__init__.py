@@ -1,0 +1,15 @@
+"""Storage tiering: a cooling service that moves old checkpoints from a hot tier to a cold
+tier while their paths stay the same (DESIGN.md §7, README "Storage tiering").
+
+    python -m storage_tiering --once --hot /ssd/ckpt --cold /hdd/ckpt --cool-after 7d
+
+``run_once`` is the same pass from Python. The policy lives in :mod:`.policies` and
+:mod:`.plan`, the move in :mod:`.mover`, the crash journal in :mod:`.journal`.
+"""
+
+from __future__ import annotations
+
+from .config import ConfigError, TieringConfig, load_config
+from .service import Report, run_once
+
+__all__ = ["ConfigError", "Report", "TieringConfig", "load_config", "run_once"]

@@ -1,0 +1,55 @@
+"""The move journal: an append-only JSON-lines file in the cold tier, fsynced per record.
+
+Each record is ``{"id", "op", "state", ...}``; a move writes ``begin`` (with its file list),
+``copied``, ``verified``, ``remapped``, ``freeing`` and ``done``, or ``aborted``. A move
+whose last record is neither ``done``, ``aborted`` nor ``recovered`` was interrupted, and the
+next run resolves it (see :func:`storage_tiering.mover.recover`). A torn last line, from a
+crash during an append, is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+FINAL_STATES = frozenset({"done", "aborted", "recovered"})
+JOURNAL_FILE = ".tiering-journal.jsonl"
+
+
+class Journal:
+    def __init__(self, cold_root: str) -> None:
+        self.path = os.path.join(cold_root, JOURNAL_FILE)
+
+    def append(self, move_id: str, op: str, state: str, **fields: Any) -> None:
+        record = {"id": move_id, "op": op, "state": state, "time": time.time(), **fields}
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                for raw in f:
+                    try:
+                        yield json.loads(raw)
+                    except ValueError:
+                        continue  # torn tail of a crashed append
+        except FileNotFoundError:
+            return
+
+    def unfinished(self) -> list[dict[str, Any]]:
+        """The ``begin`` record of every operation that never reached a final state."""
+        begun: dict[str, dict[str, Any]] = {}
+        for r in self.records():
+            if r.get("state") == "begin":
+                begun[r["id"]] = r
+            elif r.get("state") in FINAL_STATES:
+                begun.pop(r["id"], None)
+        return list(begun.values())

@@ -1,0 +1,275 @@
+"""Moving one checkpoint to the cold tier, and resolving moves a crash interrupted.
+
+Per checkpoint, each phase over all of its files before the next one starts:
+
+1. copy     hot file -> ``<cold>/<rel>/.<file>.tiering-<id>`` through the storage layer (retries,
+            I/O events, injectable faults), checking the checkpoint's checksums on the way;
+            fsync; rename to ``<cold>/<rel>/<file>``.
+2. verify   read the cold copy back (its cached pages dropped first): size, whole-file hash
+            equal to the hot original's, every checksum of the metadata. Any mismatch aborts
+            the move: cold copies deleted, hot files untouched.
+3. remap    hard-link the hot file into ``<run>/.<name>.tiering-<id>/`` (the hot copy, kept
+            until step 4), then ``rename(2)`` a symlink to the cold copy over the hot path:
+            one atomic, metadata-only step. A reader that opened the file before keeps its
+            descriptor on the hot copy; any open after it follows the link.
+4. free     delete ``.<name>.tiering-<id>/``; the hot blocks go once the last reader closes.
+
+Every phase is journaled first. Whatever moment a crash hits, each hot path is either the
+original file or a link to a complete, verified copy, so the checkpoint always loads;
+:func:`recover` then rolls unremapped files back (deleting their cold copies) and remapped
+ones forward (freeing the hot copies). The metadata file moves last.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bytecheckpoint.leases import is_being_read, is_pinned
+from bytecheckpoint.metadata import CheckpointMetadata
+from bytecheckpoint.storage import Storage, open_storage
+from bytecheckpoint.storage.local import LocalStorage
+from telemetry import span
+
+from .catalog import CheckpointInfo, is_cold_link, read_meta
+from .journal import Journal
+from .verify import chunk_checks, digest
+
+Hook = Callable[[str], None]
+_LEASES = LocalStorage(fsync=False)
+
+
+class MoveError(RuntimeError):
+    """A move was refused or aborted; the hot copy is intact."""
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    checkpoint: str
+    files: int
+    bytes: int
+    seconds: float
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_cache(path: str) -> None:
+    """Make the read-back come from the cold device, not from the pages just written."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _is_storage_file(meta: CheckpointMetadata, name: str) -> bool:
+    return any(f.name == name for f in meta.files)
+
+
+def scratch_dir(ckpt_path: str, move_id: str) -> str:
+    parent, name = os.path.split(ckpt_path)
+    return os.path.join(parent, f".{name}.tiering-{move_id}")
+
+
+def cold_tmp(cold_file: str, move_id: str) -> str:
+    d, n = os.path.split(cold_file)
+    return os.path.join(d, f".{n}.tiering-{move_id}")
+
+
+def link_tmp(hot_file: str, move_id: str) -> str:
+    d, n = os.path.split(hot_file)
+    return os.path.join(d, f".{n}.tiering-link-{move_id}")
+
+
+class Mover:
+    """Moves checkpoints from ``hot_root`` to ``cold_root`` (local directories or mounts)."""
+
+    def __init__(self, hot_root: str, cold_root: str, journal: Journal, on_step: Hook | None = None) -> None:
+        self.hot_root, self.cold_root = hot_root, cold_root
+        self.journal = journal
+        self.on_step = on_step or (lambda step: None)
+        self.hot: Storage = open_storage(hot_root)[0]
+        self.cold: Storage = open_storage(cold_root)[0]
+
+    def cold_path(self, hot_file: str) -> str:
+        return os.path.join(self.cold_root, os.path.relpath(hot_file, self.hot_root))
+
+    def cool(self, ckpt: CheckpointInfo) -> MoveResult:
+        """Move every file of ``ckpt`` not yet cold; raises MoveError with the hot copy intact."""
+        move_id = uuid.uuid4().hex[:12]
+        t0 = time.perf_counter()
+        meta = read_meta(ckpt.path)
+        todo = [n for n in ckpt.files if not is_cold_link(os.path.join(ckpt.path, n), self.cold_root)]
+        with span("tiering.move", checkpoint=ckpt.path, path=ckpt.path, files=len(todo),
+                  move_id=move_id) as ev:
+            self.journal.append(move_id, "move", "begin", checkpoint=ckpt.path, files=todo)
+            copied: list[tuple[str, str, int, int]] = []  # (hot file, cold file, hash, size)
+            try:
+                for n in todo:
+                    hot_file = os.path.join(ckpt.path, n)
+                    xxh, size = self._copy(hot_file, meta, n, move_id)
+                    copied.append((hot_file, self.cold_path(hot_file), xxh, size))
+                    self.on_step("copy")
+                self.journal.append(move_id, "move", "copied")
+                self.on_step("copied")
+                for hot_file, cold_file, xxh, size in copied:
+                    self._verify(cold_file, meta, os.path.basename(hot_file), xxh, size)
+                self.journal.append(move_id, "move", "verified")
+                self.on_step("verified")
+                # A reader may have arrived while we copied: leave it the hot copy.
+                if is_pinned(_LEASES, ckpt.path) or is_being_read(_LEASES, ckpt.path):
+                    raise MoveError(f"{ckpt.path}: pinned or being read since the scan; not remapped")
+            except BaseException as exc:
+                self._abort(move_id, copied, todo, ckpt.path, exc)
+                raise
+            scratch = scratch_dir(ckpt.path, move_id)
+            os.makedirs(scratch)
+            for hot_file, cold_file, _, _ in copied:
+                self._remap(hot_file, cold_file, scratch, move_id)
+                self.on_step("remap")
+            _fsync_dir(ckpt.path)
+            self.journal.append(move_id, "move", "remapped")
+            self.on_step("remapped")
+            self.journal.append(move_id, "move", "freeing")
+            self.on_step("free")
+            shutil.rmtree(scratch)
+            self.journal.append(move_id, "move", "done")
+            moved = sum(size for _, _, _, size in copied)
+            ev.set(bytes=moved)
+        return MoveResult(ckpt.path, len(copied), moved, time.perf_counter() - t0)
+
+    def _copy(self, hot_file: str, meta: CheckpointMetadata, name: str, move_id: str) -> tuple[int, int]:
+        cold_file = self.cold_path(hot_file)
+        tmp = cold_tmp(cold_file, move_id)
+        self.cold.makedirs(posixpath.dirname(cold_file))
+        size = self.hot.size(hot_file)
+        checks = chunk_checks(meta, name) if _is_storage_file(meta, name) else []
+        with span("tiering.copy", path=hot_file, bytes=size):
+            writer = self.cold.open_writer(tmp)
+            try:
+                got = digest(lambda off, n: self.hot.read(hot_file, off, n), size, checks, writer.write)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.commit()
+        if got.bad:
+            raise MoveError(f"{hot_file}: the hot copy fails the checkpoint's checksums "
+                            f"({', '.join(got.bad[:3])}); it was not moved. Run bcp verify on it")
+        st = os.stat(hot_file)
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))  # age policies see the original mtime
+        self.cold.rename(tmp, cold_file, overwrite=True)
+        return got.xxh3, got.size
+
+    def _verify(self, cold_file: str, meta: CheckpointMetadata, name: str, xxh: int, hot_size: int) -> None:
+        size = self.cold.size(cold_file)
+        stored = _is_storage_file(meta, name)
+        checks = chunk_checks(meta, name) if stored else []
+        expected = meta.file(name).size if stored else hot_size
+        with span("tiering.verify", path=cold_file, bytes=size):
+            if size != expected or size != hot_size:
+                raise MoveError(f"{cold_file}: cold copy is {size} bytes, the hot file {hot_size} and the "
+                                f"metadata {expected}; move aborted, hot copy kept")
+            _drop_cache(cold_file)
+            got = digest(lambda off, n: self.cold.read(cold_file, off, n), size, checks)
+        if got.bad or got.xxh3 != xxh or got.size != size:
+            what = f"checksum mismatch ({', '.join(got.bad[:3])})" if got.bad else "differs from the hot file"
+            raise MoveError(f"{cold_file}: cold copy {what}; move aborted, hot copy kept")
+
+    def _remap(self, hot_file: str, cold_file: str, scratch: str, move_id: str) -> None:
+        os.link(hot_file, os.path.join(scratch, os.path.basename(hot_file)))
+        tmp = link_tmp(hot_file, move_id)
+        os.symlink(cold_file, tmp)
+        os.replace(tmp, hot_file)
+
+    def _abort(self, move_id: str, copied: list[tuple[str, str, int, int]], todo: list[str], ckpt: str,
+               exc: BaseException) -> None:
+        for n in todo:
+            cold_file = self.cold_path(os.path.join(ckpt, n))
+            for p in (cold_tmp(cold_file, move_id), cold_file):
+                if os.path.lexists(p):
+                    os.unlink(p)
+        self.journal.append(move_id, "move", "aborted", error=f"{type(exc).__name__}: {exc}"[:500])
+
+
+def recover(hot_root: str, cold_root: str, journal: Journal) -> int:
+    """Resolve every move and deletion a crash interrupted; return how many."""
+    count = 0
+    for rec in journal.unfinished():
+        with span("tiering.recover", checkpoint=rec.get("checkpoint"), op=rec["op"], move_id=rec["id"]):
+            if rec["op"] == "move":
+                _recover_move(hot_root, cold_root, rec)
+            elif rec["op"] == "delete":
+                _recover_delete(cold_root, rec)
+        journal.append(rec["id"], rec["op"], "recovered")
+        count += 1
+    return count
+
+
+def _recover_move(hot_root: str, cold_root: str, rec: dict) -> None:
+    ckpt, move_id = rec["checkpoint"], rec["id"]
+    scratch = scratch_dir(ckpt, move_id)
+    for n in rec["files"]:
+        hot_file = os.path.join(ckpt, n)
+        cold_file = os.path.join(cold_root, os.path.relpath(hot_file, hot_root))
+        hot_copy = os.path.join(scratch, n)
+        if os.path.lexists(link_tmp(hot_file, move_id)):
+            os.unlink(link_tmp(hot_file, move_id))
+        if os.path.lexists(cold_tmp(cold_file, move_id)):
+            os.unlink(cold_tmp(cold_file, move_id))
+        if os.path.islink(hot_file) and os.readlink(hot_file) == cold_file:
+            if not os.path.exists(cold_file) and os.path.exists(hot_copy):
+                os.replace(hot_copy, hot_file)  # never leave a link pointing nowhere
+            continue  # remapped: roll forward (the hot copy is freed below)
+        if not os.path.lexists(hot_file) and os.path.exists(hot_copy):
+            os.link(hot_copy, hot_file)
+        if os.path.lexists(cold_file) and not os.path.islink(hot_file):
+            os.unlink(cold_file)  # copied but never remapped: roll back
+    shutil.rmtree(scratch, ignore_errors=True)
+    if os.path.isdir(ckpt):
+        _fsync_dir(ckpt)
+
+
+def _recover_delete(cold_root: str, rec: dict) -> None:
+    trash = rec["trash"]
+    if os.path.isdir(trash):  # renamed away, so no longer a checkpoint: finish the deletion
+        delete_tree(trash, cold_root)
+    elif os.path.isdir(rec["cold_dir"]) and not os.path.isdir(rec["checkpoint"]):
+        shutil.rmtree(rec["cold_dir"], ignore_errors=True)
+
+
+def delete_tree(hot_dir: str, cold_root: str) -> None:
+    """Delete a hot checkpoint directory and the cold copies its links point to."""
+    for n in os.listdir(hot_dir):
+        full = os.path.join(hot_dir, n)
+        if is_cold_link(full, cold_root):
+            target = os.readlink(full)
+            if os.path.lexists(target):
+                os.unlink(target)
+    shutil.rmtree(hot_dir)
+
+
+def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str, journal: Journal) -> None:
+    """Retention: rename the checkpoint aside (it stops being one at once), then delete its
+    hot and cold files. A crash in between is finished by :func:`recover`."""
+    op_id = uuid.uuid4().hex[:12]
+    parent, name = os.path.split(ckpt.path)
+    trash = os.path.join(parent, f".{name}.deleting-{op_id}")
+    cold_dir = os.path.join(cold_root, os.path.relpath(ckpt.path, hot_root))
+    with span("tiering.delete", checkpoint=ckpt.path, path=ckpt.path, bytes=ckpt.size, step=ckpt.step):
+        journal.append(op_id, "delete", "begin", checkpoint=ckpt.path, trash=trash, cold_dir=cold_dir)
+        os.rename(ckpt.path, trash)
+        _fsync_dir(parent)
+        delete_tree(trash, cold_root)
+        shutil.rmtree(cold_dir, ignore_errors=True)
+        journal.append(op_id, "delete", "done")

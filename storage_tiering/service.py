@@ -1,0 +1,114 @@
+"""One pass of the cooling service, and the loop around it.
+
+A pass takes an exclusive lock on the cold tier (a second service, or a cron run that
+overlaps the previous one, finds it held and stops), resolves what a crash interrupted,
+scans the hot tier, decides, and moves or deletes. One checkpoint's failure is reported
+(``tiering.move`` span with outcome ``error``, which the ``failed_ops`` alert rule turns
+into an alert) and the pass goes on with the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from telemetry import span
+
+from .catalog import hot_bytes, scan
+from .config import TieringConfig
+from .journal import Journal
+from .mover import Hook, Mover, MoveResult, delete_checkpoint, recover
+from .plan import Decision, decide
+
+LOCK_FILE = ".tiering.lock"
+log = logging.getLogger("storage_tiering")
+
+
+class ServiceBusy(RuntimeError):
+    """Another tiering pass holds the lock on this cold tier."""
+
+
+@dataclass
+class Report:
+    decisions: list[Decision] = field(default_factory=list)
+    cooled: list[MoveResult] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # checkpoint path -> error
+    recovered: int = 0
+    hot_bytes_before: int = 0
+    hot_bytes_after: int = 0
+    dry_run: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.cooled or self.deleted or self.recovered)
+
+
+@contextlib.contextmanager
+def _exclusive(cold_root: str) -> Iterator[None]:
+    fd = os.open(os.path.join(cold_root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ServiceBusy(f"another tiering pass holds {cold_root}/{LOCK_FILE}; not starting") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def run_once(config: TieringConfig, *, dry_run: bool = False, now: float | None = None,
+             on_step: Hook | None = None) -> Report:
+    """One pass: recover, scan, decide, act. ``now`` overrides the clock (tests);
+    ``on_step`` is called at each step of a move (crash tests)."""
+    os.makedirs(config.hot, exist_ok=True)
+    os.makedirs(config.cold, exist_ok=True)
+    report = Report(dry_run=dry_run)
+    journal = Journal(config.cold)
+    with _exclusive(config.cold):
+        if not dry_run:
+            report.recovered = recover(config.hot, config.cold, journal)
+        with span("tiering.scan", path=config.hot) as ev:
+            checkpoints = scan(config.hot, config.cold)
+            report.hot_bytes_before = hot_bytes(config.hot)
+            report.decisions = decide(checkpoints, config, now=time.time() if now is None else now)
+            ev.set(checkpoints=len(checkpoints), bytes=report.hot_bytes_before,
+                   to_cool=sum(d.action == "cool" for d in report.decisions),
+                   to_delete=sum(d.action == "delete" for d in report.decisions))
+        if dry_run:
+            report.hot_bytes_after = report.hot_bytes_before
+            return report
+        mover = Mover(config.hot, config.cold, journal, on_step)
+        for d in report.decisions:
+            try:
+                if d.action == "cool":
+                    report.cooled.append(mover.cool(d.checkpoint))
+                elif d.action == "delete":
+                    delete_checkpoint(d.checkpoint, config.hot, config.cold, journal)
+                    report.deleted.append(d.checkpoint.path)
+            except Exception as exc:  # one checkpoint's failure must not stop the pass
+                log.error("tiering: %s of %s failed: %s", d.action, d.checkpoint.path, exc)
+                report.failed[d.checkpoint.path] = f"{type(exc).__name__}: {exc}"
+        report.hot_bytes_after = hot_bytes(config.hot)
+    return report
+
+
+def run_loop(config: TieringConfig, *, iterations: int | None = None) -> None:
+    """Run a pass every ``config.interval`` seconds (measured start to start)."""
+    done = 0
+    while iterations is None or done < iterations:
+        started = time.monotonic()
+        try:
+            report = run_once(config)
+            log.info("tiering pass: %d cooled, %d deleted, %d failed, %d recovered", len(report.cooled),
+                     len(report.deleted), len(report.failed), report.recovered)
+        except ServiceBusy as exc:
+            log.warning("%s", exc)
+        done += 1
+        if iterations is None or done < iterations:
+            time.sleep(max(0.0, config.interval - (time.monotonic() - started)))
