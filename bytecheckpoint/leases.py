@@ -149,16 +149,25 @@ def read_lease(storage: Storage, path: str, ttl_s: float | None = None) -> Itera
 
 @contextlib.contextmanager
 def lease_for_load(url: str) -> Iterator[str | None]:
-    """The lease ``bcp.load`` holds: on a local checkpoint (or the one ``latest`` names)."""
-    from .integrity import resolve  # integrity imports storage; keep this module light
+    """The lease ``bcp.load`` holds: on a local checkpoint, or the one ``latest`` names.
 
-    try:
-        storage, path = resolve(url)
-    except Exception:  # the load itself reports what is wrong with the path
-        storage = None
-    if storage is None or storage.scheme not in LEASED_SCHEMES:
+    Looked up on the bare backend, so it adds no I/O events and meets no injected faults."""
+    from .integrity import read_latest  # integrity imports storage; keep this module light
+    from .metadata import METADATA_FILE
+
+    storage, path = open_backend(url)
+    if storage.scheme not in LEASED_SCHEMES:
         yield None
         return
-    bare, _ = open_backend(url)  # no retries or I/O events for the lease file itself
-    with read_lease(bare, path) as lease:
+    path = path.rstrip("/") or path
+    try:
+        if not storage.exists(posixpath.join(path, METADATA_FILE)):
+            latest = read_latest(storage, path)
+            path = posixpath.join(path, latest.name) if latest is not None else ""
+    except Exception:  # the load itself reports what is wrong with the path
+        path = ""
+    if not path or not storage.exists(posixpath.join(path, METADATA_FILE)):
+        yield None
+        return
+    with read_lease(storage, path) as lease:
         yield lease

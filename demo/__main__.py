@@ -3,7 +3,9 @@
 1. 4 processes (gloo, CPU) train a GPT with FSDP2 and checkpoint every few steps.
 2. 2 processes resume from the latest checkpoint: the 4-way shards are resharded 2-way at
    load time; a fingerprint of the full state proves nothing changed; training goes on.
-3. A summary: steps, checkpoints, sizes, save and load times, telemetry events.
+3. A tiering pass cools every checkpoint but the newest into ``<root>/cold`` (standing for an
+   HDD tier); each cooled one still verifies through its original path.
+4. A summary: steps, checkpoints, sizes, save and load times, telemetry events.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ import os
 import shutil
 import socket
 import statistics
+import time
 
 import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+import bytecheckpoint as bcp
 from bytecheckpoint.data import TokenSource, synthetic_sources
 from demo.model import GPT
 from demo.train import DEMO_CONFIG, JobSpec, run_rank
+from storage_tiering import load_config, run_once
 
 
 def _port() -> int:
@@ -102,6 +107,7 @@ def main() -> None:
                   f"(trained on {args.train_world}) → step {final} {resumed_loss:.4f} "
                   f"(resumed on {args.resume_world})")
     data_ok = _report_data(console, sources, train, resume, args)
+    tiering_ok = _tiering_pass(console, root)
     spool = f"{root}/telemetry"
     events = 0
     for name in os.listdir(spool) if os.path.isdir(spool) else []:
@@ -112,6 +118,28 @@ def main() -> None:
         raise SystemExit("resumed state differs from the saved state")
     if not data_ok:
         raise SystemExit("the data loader lost or repeated tokens across the resume")
+    if not tiering_ok:
+        raise SystemExit("a cooled checkpoint failed verification or a move failed")
+
+
+def _tiering_pass(console: Console, root: str) -> bool:
+    """Cool every checkpoint but the newest to the cold tier, then verify each cooled one
+    through its original path (the links)."""
+    config = load_config(env={}, hot=f"{root}/checkpoints", cold=f"{root}/cold", cool_after=0,
+                         keep_newest=1)
+    t0 = time.perf_counter()
+    report = run_once(config)
+    seconds = time.perf_counter() - t0
+    problems = [p for r in report.cooled for p in bcp.verify(r.checkpoint)]
+    moved = sum(r.bytes for r in report.cooled)
+    names = ", ".join(os.path.basename(r.checkpoint) for r in report.cooled) or "none"
+    console.print(
+        f"tiering: cooled {names} ({_mib(moved)}) to {os.path.relpath(config.cold)} in {seconds:.2f} s; "
+        f"hot tier {_mib(report.hot_bytes_before)} → {_mib(report.hot_bytes_after)}; cooled checkpoints "
+        + ("[green]verify[/] through their original paths" if not problems else f"[red]{problems[0]}[/]")
+        + (f"; [red]{len(report.failed)} failed[/]" if report.failed else "")
+    )
+    return not problems and not report.failed
 
 
 def _report_data(console: Console, sources: list[str], train: list[dict], resume: list[dict],

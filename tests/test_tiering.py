@@ -19,7 +19,7 @@ import torch
 
 import bytecheckpoint as bcp
 import telemetry
-from bytecheckpoint.leases import pin, read_lease
+from bytecheckpoint.leases import is_being_read, lease_prefix, pin, read_lease
 from bytecheckpoint.storage import faults
 from bytecheckpoint.storage.local import LocalStorage
 from storage_tiering import ConfigError, load_config, run_once
@@ -325,3 +325,22 @@ def test_settings_from_file_env_and_flags_and_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="cold tier must be a local directory"):
         load_config(env={}, hot="/ssd", cold="s3://bucket/cold")
     assert cli(["--once", "--hot", str(tmp_path)]) == 2
+
+
+def test_load_holds_a_lease_and_releases_it_and_stale_leases_do_not_count(small_run):
+    hot, cold, run, refs = small_run
+    storage = LocalStorage(fsync=False)
+    assert_same_state(refs[2], _load_single(run))  # through latest
+    assert not any(".lease-" in n for n in os.listdir(run))
+    with read_lease(storage, f"{run}/step_1") as lease:
+        assert lease is not None and is_being_read(storage, f"{run}/step_1")
+        assert not is_being_read(storage, f"{run}/step_2")
+    assert not is_being_read(storage, f"{run}/step_1")
+    # A lease whose process is gone, and one past its expiry, are ignored.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    with open(f"{lease_prefix(f'{run}/step_1')}dead", "w") as f:
+        json.dump({"host": os.uname().nodename, "pid": int(gone), "expires": time.time() + 3600}, f)
+    with open(f"{lease_prefix(f'{run}/step_1')}expired", "w") as f:
+        json.dump({"host": "elsewhere", "pid": 1, "expires": time.time() - 1}, f)
+    assert not is_being_read(storage, f"{run}/step_1")
