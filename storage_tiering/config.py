@@ -8,6 +8,10 @@
     delete_after = "90d"          # BCP_TIERING_DELETE_AFTER optional retention (off if unset)
     keep_every = 1000             # BCP_TIERING_KEEP_EVERY   retention keeps steps divisible by k
     interval = "1h"               # BCP_TIERING_INTERVAL     loop mode
+    cold_policy = "COLD"          # BCP_TIERING_COLD_POLICY  HDFS mode: the policy cooled paths get
+
+HDFS mode: ``hot = "hdfs://namenode:8020/ckpt"`` and no ``cold``; cooling sets the storage
+policy and runs the HDFS Mover (see :mod:`storage_tiering.hdfs`).
 
 The file is named by ``--config`` or ``BCP_TIERING_CONFIG``. Durations are seconds or a
 number with ``s``, ``m``, ``h`` or ``d``.
@@ -44,27 +48,41 @@ class TieringConfig:
     delete_after: float | None = None
     keep_every: int = 0
     interval: float = 3600.0
+    cold_policy: str = "COLD"
+
+    @property
+    def mode(self) -> str:
+        """``"local"`` (two directories, links) or ``"hdfs"`` (storage policies)."""
+        return "hdfs" if self.hot.split("://", 1)[0].startswith("hdfs") and "://" in self.hot else "local"
 
     def validate(self) -> TieringConfig:
         if not self.hot:
             raise ConfigError("no hot tier: pass --hot or set BCP_TIERING_HOT")
+        if self.mode == "hdfs":
+            if self.cold:
+                raise ConfigError(f"HDFS mode cools in place (storage policy {self.cold_policy}); "
+                                  f"drop the cold tier {self.cold!r}")
+            return self._check_policy()
+        if "://" in self.hot and not self.hot.startswith("file://"):
+            raise ConfigError(f"hot tier {self.hot!r}: only local directories (links) and hdfs:// "
+                              "(storage policies) can be cooled; on S3 use a bucket lifecycle rule")
         if not self.cold:
             raise ConfigError("no cold tier: pass --cold or set BCP_TIERING_COLD")
-        if "://" in self.hot and not self.hot.startswith("file://"):
-            raise ConfigError(f"hot tier {self.hot!r}: only local directories can be cooled here "
-                              "(the hot path must be able to hold a link)")
         if "://" in self.cold and not self.cold.startswith("file://"):
             raise ConfigError(f"cold tier {self.cold!r}: the cold tier must be a local directory "
                               "or mount (the hot path links to it)")
         hot, cold = _abs(self.hot), _abs(self.cold)
         if hot == cold or cold.startswith(hot + os.sep) or hot.startswith(cold + os.sep):
             raise ConfigError(f"hot tier {hot} and cold tier {cold} must not contain each other")
+        return replace(self._check_policy(), hot=hot, cold=cold)
+
+    def _check_policy(self) -> TieringConfig:
         if self.keep_newest < 0 or self.keep_every < 0:
             raise ConfigError("keep_newest and keep_every must be >= 0")
         if self.delete_after is not None and self.delete_after < self.cool_after:
             raise ConfigError(f"delete_after ({self.delete_after:g}s) is shorter than cool_after "
                               f"({self.cool_after:g}s)")
-        return replace(self, hot=hot, cold=cold)
+        return self
 
 
 def _abs(path: str) -> str:

@@ -17,10 +17,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from bytecheckpoint.storage import open_storage
 from telemetry import span
 
 from .catalog import hot_bytes, scan
 from .config import TieringConfig
+from .hdfs import HdfsCli, HdfsMover, PolicyAdmin, scan_remote
 from .journal import Journal
 from .mover import Hook, Mover, MoveResult, delete_checkpoint, recover
 from .plan import Decision, decide
@@ -63,9 +65,12 @@ def _exclusive(cold_root: str) -> Iterator[None]:
 
 
 def run_once(config: TieringConfig, *, dry_run: bool = False, now: float | None = None,
-             on_step: Hook | None = None) -> Report:
+             on_step: Hook | None = None, admin: PolicyAdmin | None = None) -> Report:
     """One pass: recover, scan, decide, act. ``now`` overrides the clock (tests);
-    ``on_step`` is called at each step of a move (crash tests)."""
+    ``on_step`` is called at each step of a move (crash tests); ``admin`` carries out
+    storage policies in HDFS mode (default: the Hadoop command line)."""
+    if config.mode == "hdfs":
+        return _run_hdfs(config, dry_run, time.time() if now is None else now, on_step, admin or HdfsCli())
     os.makedirs(config.hot, exist_ok=True)
     os.makedirs(config.cold, exist_ok=True)
     report = Report(dry_run=dry_run)
@@ -95,6 +100,40 @@ def run_once(config: TieringConfig, *, dry_run: bool = False, now: float | None 
                 log.error("tiering: %s of %s failed: %s", d.action, d.checkpoint.path, exc)
                 report.failed[d.checkpoint.path] = f"{type(exc).__name__}: {exc}"
         report.hot_bytes_after = hot_bytes(config.hot)
+    return report
+
+
+def _run_hdfs(config: TieringConfig, dry_run: bool, now: float, on_step: Hook | None,
+              admin: PolicyAdmin) -> Report:
+    """HDFS mode: the same decisions, carried out by storage policies and the HDFS Mover.
+    Retention deletes through the storage layer (checkpoint directory, metadata first)."""
+    storage, root = open_storage(config.hot)
+    report = Report(dry_run=dry_run)
+    mover = HdfsMover(storage, admin, config.cold_policy, on_step)
+    with span("tiering.scan", path=config.hot) as ev:
+        checkpoints = scan_remote(storage, root, admin, config.cold_policy)
+        if not dry_run:
+            report.recovered = mover.recover(checkpoints)
+            if report.recovered:
+                checkpoints = scan_remote(storage, root, admin, config.cold_policy)
+        report.decisions = decide(checkpoints, config, now=now)
+        ev.set(checkpoints=len(checkpoints), to_cool=sum(d.action == "cool" for d in report.decisions),
+               to_delete=sum(d.action == "delete" for d in report.decisions))
+    if dry_run:
+        return report
+    for d in report.decisions:
+        try:
+            if d.action == "cool":
+                report.cooled.append(mover.cool(d.checkpoint))
+            elif d.action == "delete":
+                url = storage.url(d.checkpoint.path)
+                with span("tiering.delete", checkpoint=url, path=url, bytes=d.checkpoint.size):
+                    storage.delete(f"{d.checkpoint.path}/metadata.msgpack")  # uncommit first
+                    storage.delete(d.checkpoint.path)
+                report.deleted.append(storage.url(d.checkpoint.path))
+        except Exception as exc:
+            log.error("tiering: %s of %s failed: %s", d.action, d.checkpoint.path, exc)
+            report.failed[storage.url(d.checkpoint.path)] = f"{type(exc).__name__}: {exc}"
     return report
 
 
