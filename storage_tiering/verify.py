@@ -54,8 +54,8 @@ def digest(read: Callable[[int, int], bytes | bytearray], size: int, checks: lis
     and checking each chunk; each block also goes to ``sink`` (the copy's writer)."""
     hasher = xxhash.xxh3_64()
     bad: list[str] = []
-    window = bytearray()
-    wstart = pos = i = 0
+    open_chunk = None  # streaming hash of a chunk that spans blocks (same value as one-shot)
+    pos = i = 0
     while pos < size:
         block = read(pos, min(BLOCK_BYTES, size - pos))
         if not block:
@@ -63,16 +63,17 @@ def digest(read: Callable[[int, int], bytes | bytearray], size: int, checks: lis
         hasher.update(block)
         if sink is not None:
             sink(block)
-        pos += len(block)
-        window += block
-        while i < len(checks) and checks[i].end <= pos:
+        view, end = memoryview(block), pos + len(block)
+        while i < len(checks) and checks[i].start < end:
             c = checks[i]
-            if xxhash.xxh3_64_intdigest(memoryview(window)[c.start - wstart : c.end - wstart]) != c.expected:
+            if open_chunk is None:
+                open_chunk = xxhash.xxh3_64()
+            open_chunk.update(view[max(c.start, pos) - pos : min(c.end, end) - pos])
+            if c.end > end:
+                break
+            if open_chunk.intdigest() != c.expected:
                 bad.append(c.label)
-            i += 1
-        # Keep only what a pending chunk still needs.
-        keep_from = min(checks[i].start, pos) if i < len(checks) else pos
-        del window[: max(0, keep_from - wstart)]
-        wstart = max(wstart, keep_from)
+            open_chunk, i = None, i + 1
+        pos = end
     bad += [c.label for c in checks[i:]]  # chunks past the end of a short file
     return FileDigest(pos, hasher.intdigest(), tuple(bad))

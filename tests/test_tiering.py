@@ -344,3 +344,26 @@ def test_load_holds_a_lease_and_releases_it_and_stale_leases_do_not_count(small_
     with open(f"{lease_prefix(f'{run}/step_1')}expired", "w") as f:
         json.dump({"host": "elsewhere", "pid": 1, "expires": time.time() - 1}, f)
     assert not is_being_read(storage, f"{run}/step_1")
+
+
+def test_digest_checks_chunks_that_span_read_blocks(monkeypatch):
+    import random
+
+    import xxhash
+
+    from storage_tiering import verify
+
+    monkeypatch.setattr(verify, "BLOCK_BYTES", 1000)
+    rng = random.Random(0)
+    data = bytearray(rng.randbytes(10_000))
+    checks, pos = [], 17
+    while pos < 9_000:  # chunks of odd sizes with gaps, some inside a block, some across several
+        n = rng.randint(1, min(2500, len(data) - pos))
+        checks.append(verify.ChunkCheck(pos, pos + n, xxhash.xxh3_64_intdigest(data[pos:pos + n]), str(pos)))
+        pos += n + rng.randint(0, 300)
+    got = verify.digest(lambda o, n: bytes(data[o:o + n]), len(data), checks)
+    assert got.bad == () and got.xxh3 == xxhash.xxh3_64_intdigest(data) and got.size == len(data)
+    victim = checks[len(checks) // 2]
+    data[victim.end - 1] ^= 1
+    assert verify.digest(lambda o, n: bytes(data[o:o + n]), len(data), checks).bad == (victim.label,)
+    assert verify.digest(lambda o, n: bytes(data[o:o + n]), 5_000, checks).bad[-1] == checks[-1].label
