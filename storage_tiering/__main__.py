@@ -33,6 +33,9 @@ def _print(report: Report) -> None:
         label = {"cool": f"{verb} cool", "delete": f"{verb} delete", "keep": "keep"}[d.action]
         print(f"{label:<14} {c.key:<40} step={c.step!s:<8} {c.state:<11} {c.size / 2**20:10.1f} MiB  "
               f"({d.reason})")
+    if report.orphans:
+        print(f"{len(report.orphans)} cold file(s) that no hot path links to (not deleted), e.g. "
+              f"{report.orphans[0]}", file=sys.stderr)
     if report.dry_run:
         return
     for r in report.cooled:

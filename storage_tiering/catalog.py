@@ -132,3 +132,22 @@ def hot_bytes(hot_root: str) -> int:
             if not stat.S_ISLNK(st.st_mode):
                 total += st.st_size
     return total
+
+
+def orphans(hot_root: str, cold_root: str, ignore: frozenset[str]) -> list[str]:
+    """Cold files that no hot path links to: left when a cooled checkpoint was removed by other
+    means (``rm -r``, a save with ``overwrite=True`` over it). Reported, never deleted: a link
+    outside the hot root may still point at them."""
+    targets = set()
+    for run_dir, _, names in os.walk(hot_root):
+        for n in names:
+            full = os.path.join(run_dir, n)
+            if is_cold_link(full, cold_root):
+                targets.add(os.readlink(full))
+    out = []
+    for d, _, names in os.walk(cold_root):
+        for n in names:
+            full = os.path.join(d, n)
+            if full not in targets and not (d == cold_root and n in ignore):
+                out.append(full)
+    return sorted(out)

@@ -49,6 +49,16 @@ class MoveError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class _Copied:
+    name: str
+    hot_file: str
+    cold_file: str
+    xxh3: int  # whole-file hash of the hot original
+    size: int
+    inode: int  # of the hot file copied, checked again at the remap
+
+
+@dataclass(frozen=True)
 class MoveResult:
     checkpoint: str
     files: int
@@ -109,56 +119,65 @@ class Mover:
         """Move every file of ``ckpt`` not yet cold; raises MoveError with the hot copy intact."""
         move_id = uuid.uuid4().hex[:12]
         t0 = time.perf_counter()
+        # The remap works inside this very directory: were the path saved over meanwhile
+        # (overwrite=True renames the old one aside), the new checkpoint is never touched.
+        dir_fd = os.open(ckpt.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return self._cool(ckpt, move_id, dir_fd, t0)
+        finally:
+            os.close(dir_fd)
+
+    def _cool(self, ckpt: CheckpointInfo, move_id: str, dir_fd: int, t0: float) -> MoveResult:
         meta = read_meta(ckpt.path)
         todo = [n for n in ckpt.files if not is_cold_link(os.path.join(ckpt.path, n), self.cold_root)]
         with span("tiering.move", checkpoint=ckpt.path, path=ckpt.path, files=len(todo),
                   move_id=move_id) as ev:
             self.journal.append(move_id, "move", "begin", checkpoint=ckpt.path, files=todo)
-            copied: list[tuple[str, str, int, int]] = []  # (hot file, cold file, hash, size)
+            copied: list[_Copied] = []
             try:
                 for n in todo:
-                    hot_file = os.path.join(ckpt.path, n)
-                    xxh, size = self._copy(hot_file, meta, n, move_id)
-                    copied.append((hot_file, self.cold_path(hot_file), xxh, size))
+                    copied.append(self._copy(ckpt.path, n, meta, move_id, dir_fd))
                     self.on_step("copy")
                 self.journal.append(move_id, "move", "copied")
                 self.on_step("copied")
-                for hot_file, cold_file, xxh, size in copied:
-                    self._verify(cold_file, meta, os.path.basename(hot_file), xxh, size)
+                for c in copied:
+                    self._verify(c, meta)
                 self.journal.append(move_id, "move", "verified")
                 self.on_step("verified")
                 # A reader may have arrived while we copied: leave it the hot copy.
                 if is_pinned(_LEASES, ckpt.path) or is_being_read(_LEASES, ckpt.path):
                     raise MoveError(f"{ckpt.path}: pinned or being read since the scan; not remapped")
             except BaseException as exc:
-                self._abort(move_id, copied, todo, ckpt.path, exc)
+                self._abort(move_id, todo, ckpt.path, exc)
                 raise
             scratch = scratch_dir(ckpt.path, move_id)
             os.makedirs(scratch)
-            for hot_file, cold_file, _, _ in copied:
-                self._remap(hot_file, cold_file, scratch, move_id)
+            for c in copied:
+                self._remap(c, scratch, move_id, dir_fd)
                 self.on_step("remap")
-            _fsync_dir(ckpt.path)
+            os.fsync(dir_fd)
             self.journal.append(move_id, "move", "remapped")
             self.on_step("remapped")
             self.journal.append(move_id, "move", "freeing")
             self.on_step("free")
             shutil.rmtree(scratch)
             self.journal.append(move_id, "move", "done")
-            moved = sum(size for _, _, _, size in copied)
+            moved = sum(c.size for c in copied)
             ev.set(bytes=moved)
         return MoveResult(ckpt.path, len(copied), moved, time.perf_counter() - t0)
 
-    def _copy(self, hot_file: str, meta: CheckpointMetadata, name: str, move_id: str) -> tuple[int, int]:
+    def _copy(self, ckpt_path: str, name: str, meta: CheckpointMetadata, move_id: str,
+              dir_fd: int) -> _Copied:
+        hot_file = os.path.join(ckpt_path, name)
         cold_file = self.cold_path(hot_file)
         tmp = cold_tmp(cold_file, move_id)
         self.cold.makedirs(posixpath.dirname(cold_file))
-        size = self.hot.size(hot_file)
+        st = os.stat(name, dir_fd=dir_fd)
         checks = chunk_checks(meta, name) if _is_storage_file(meta, name) else []
-        with span("tiering.copy", path=hot_file, bytes=size):
+        with span("tiering.copy", path=hot_file, bytes=st.st_size):
             writer = self.cold.open_writer(tmp)
             try:
-                got = digest(lambda off, n: self.hot.read(hot_file, off, n), size, checks, writer.write)
+                got = digest(lambda off, n: self.hot.read(hot_file, off, n), st.st_size, checks, writer.write)
             except BaseException:
                 writer.abort()
                 raise
@@ -166,34 +185,35 @@ class Mover:
         if got.bad:
             raise MoveError(f"{hot_file}: the hot copy fails the checkpoint's checksums "
                             f"({', '.join(got.bad[:3])}); it was not moved. Run bcp verify on it")
-        st = os.stat(hot_file)
         os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))  # age policies see the original mtime
         self.cold.rename(tmp, cold_file, overwrite=True)
-        return got.xxh3, got.size
+        return _Copied(name, hot_file, cold_file, got.xxh3, got.size, st.st_ino)
 
-    def _verify(self, cold_file: str, meta: CheckpointMetadata, name: str, xxh: int, hot_size: int) -> None:
-        size = self.cold.size(cold_file)
-        stored = _is_storage_file(meta, name)
-        checks = chunk_checks(meta, name) if stored else []
-        expected = meta.file(name).size if stored else hot_size
-        with span("tiering.verify", path=cold_file, bytes=size):
-            if size != expected or size != hot_size:
-                raise MoveError(f"{cold_file}: cold copy is {size} bytes, the hot file {hot_size} and the "
+    def _verify(self, c: _Copied, meta: CheckpointMetadata) -> None:
+        size = self.cold.size(c.cold_file)
+        stored = _is_storage_file(meta, c.name)
+        checks = chunk_checks(meta, c.name) if stored else []
+        expected = meta.file(c.name).size if stored else c.size
+        with span("tiering.verify", path=c.cold_file, bytes=size):
+            if size != expected or size != c.size:
+                raise MoveError(f"{c.cold_file}: cold copy is {size} bytes, the hot file {c.size} and the "
                                 f"metadata {expected}; move aborted, hot copy kept")
-            _drop_cache(cold_file)
-            got = digest(lambda off, n: self.cold.read(cold_file, off, n), size, checks)
-        if got.bad or got.xxh3 != xxh or got.size != size:
+            _drop_cache(c.cold_file)
+            got = digest(lambda off, n: self.cold.read(c.cold_file, off, n), size, checks)
+        if got.bad or got.xxh3 != c.xxh3 or got.size != size:
             what = f"checksum mismatch ({', '.join(got.bad[:3])})" if got.bad else "differs from the hot file"
-            raise MoveError(f"{cold_file}: cold copy {what}; move aborted, hot copy kept")
+            raise MoveError(f"{c.cold_file}: cold copy {what}; move aborted, hot copy kept")
 
-    def _remap(self, hot_file: str, cold_file: str, scratch: str, move_id: str) -> None:
-        os.link(hot_file, os.path.join(scratch, os.path.basename(hot_file)))
-        tmp = link_tmp(hot_file, move_id)
-        os.symlink(cold_file, tmp)
-        os.replace(tmp, hot_file)
+    def _remap(self, c: _Copied, scratch: str, move_id: str, dir_fd: int) -> None:
+        kept = os.path.join(scratch, c.name)
+        os.link(c.name, kept, src_dir_fd=dir_fd, follow_symlinks=False)
+        if os.lstat(kept).st_ino != c.inode:
+            raise MoveError(f"{c.hot_file} was replaced during the move; left as it is")
+        tmp = os.path.basename(link_tmp(c.hot_file, move_id))
+        os.symlink(c.cold_file, tmp, dir_fd=dir_fd)
+        os.replace(tmp, c.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
-    def _abort(self, move_id: str, copied: list[tuple[str, str, int, int]], todo: list[str], ckpt: str,
-               exc: BaseException) -> None:
+    def _abort(self, move_id: str, todo: list[str], ckpt: str, exc: BaseException) -> None:
         for n in todo:
             cold_file = self.cold_path(os.path.join(ckpt, n))
             for p in (cold_tmp(cold_file, move_id), cold_file):
@@ -231,8 +251,6 @@ def _recover_move(hot_root: str, cold_root: str, rec: dict) -> None:
             if not os.path.exists(cold_file) and os.path.exists(hot_copy):
                 os.replace(hot_copy, hot_file)  # never leave a link pointing nowhere
             continue  # remapped: roll forward (the hot copy is freed below)
-        if not os.path.lexists(hot_file) and os.path.exists(hot_copy):
-            os.link(hot_copy, hot_file)
         if os.path.lexists(cold_file) and not os.path.islink(hot_file):
             os.unlink(cold_file)  # copied but never remapped: roll back
     shutil.rmtree(scratch, ignore_errors=True)

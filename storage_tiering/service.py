@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from bytecheckpoint.storage import open_storage
 from telemetry import span
 
-from .catalog import hot_bytes, scan
+from .catalog import hot_bytes, orphans, scan
 from .config import TieringConfig
 from .hdfs import HdfsCli, HdfsMover, PolicyAdmin, scan_remote
-from .journal import Journal
+from .journal import JOURNAL_FILE, Journal
 from .mover import Hook, Mover, MoveResult, delete_checkpoint, recover
 from .plan import Decision, decide
 
@@ -42,6 +42,7 @@ class Report:
     deleted: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # checkpoint path -> error
     recovered: int = 0
+    orphans: list[str] = field(default_factory=list)  # cold files no hot path links to
     hot_bytes_before: int = 0
     hot_bytes_after: int = 0
     dry_run: bool = False
@@ -87,6 +88,7 @@ def run_once(config: TieringConfig, *, dry_run: bool = False, now: float | None 
                    to_delete=sum(d.action == "delete" for d in report.decisions))
         if dry_run:
             report.hot_bytes_after = report.hot_bytes_before
+            report.orphans = orphans(config.hot, config.cold, frozenset({JOURNAL_FILE, LOCK_FILE}))
             return report
         mover = Mover(config.hot, config.cold, journal, on_step)
         for d in report.decisions:
@@ -100,6 +102,10 @@ def run_once(config: TieringConfig, *, dry_run: bool = False, now: float | None 
                 log.error("tiering: %s of %s failed: %s", d.action, d.checkpoint.path, exc)
                 report.failed[d.checkpoint.path] = f"{type(exc).__name__}: {exc}"
         report.hot_bytes_after = hot_bytes(config.hot)
+        report.orphans = orphans(config.hot, config.cold, frozenset({JOURNAL_FILE, LOCK_FILE}))
+        if report.orphans:
+            log.warning("tiering: %d cold file(s) that no hot path links to, e.g. %s (not deleted)",
+                        len(report.orphans), report.orphans[0])
     return report
 
 

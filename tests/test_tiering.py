@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -298,6 +299,11 @@ def test_retention_deletes_old_checkpoints_but_every_kth_step(tmp_path):
                                                                            "step_5", "step_6"]
     assert not os.path.exists(f"{cold}/run/step_1") and not os.path.exists(f"{cold}/run/step_3")
     _assert_no_orphans(hot, cold)
+    # A cooled checkpoint removed by hand leaves cold files: reported, not deleted.
+    shutil.rmtree(f"{run}/step_2")
+    report = run_once(load_config(hot=hot, cold=cold, cool_after="1d", keep_newest=2), now=NOW)
+    assert report.orphans and all(p.startswith(f"{cold}/run/step_2/") for p in report.orphans)
+    assert all(os.path.exists(p) for p in report.orphans)
 
 
 def test_dry_run_lists_and_changes_nothing(small_run, capsys):
@@ -367,3 +373,25 @@ def test_digest_checks_chunks_that_span_read_blocks(monkeypatch):
     data[victim.end - 1] ^= 1
     assert verify.digest(lambda o, n: bytes(data[o:o + n]), len(data), checks).bad == (victim.label,)
     assert verify.digest(lambda o, n: bytes(data[o:o + n]), 5_000, checks).bad[-1] == checks[-1].label
+
+
+def test_a_checkpoint_saved_over_during_its_move_keeps_the_new_save(small_run):
+    hot, cold, run, _ = small_run
+    _age(f"{run}/step_1", 30)
+    new = {}
+
+    def save_over(name: str) -> None:
+        if name == "verified":  # copies verified, remap next: the path now holds another save
+            model, optim = w.make_plain(seed=77)
+            bcp.save(f"{run}/step_1", {"model": model, "optimizer": optim}, step=1, overwrite=True)
+            new.update(w.full_state(model, optim))
+
+    config = load_config(hot=hot, cold=cold, cool_after="1d", keep_newest=1)
+    report = run_once(config, now=NOW, on_step=save_over)
+    assert f"{run}/step_1" in report.failed
+    assert not any(os.path.islink(f"{run}/step_1/{n}") for n in os.listdir(f"{run}/step_1"))
+    assert_same_state(new, _load_single(f"{run}/step_1"))
+    again = run_once(config, now=NOW + 2 * DAY)  # resolves the interrupted move, then cools the new one
+    assert again.recovered == 1 and not again.failed
+    assert_same_state(new, _load_single(f"{run}/step_1"))
+    _assert_no_orphans(hot, cold)
