@@ -127,6 +127,7 @@ def _tiering_pass(console: Console, root: str) -> bool:
     through its original path (the links)."""
     config = load_config(env={}, hot=f"{root}/checkpoints", cold=f"{root}/cold", cool_after=0,
                          keep_newest=1)
+    os.makedirs(config.cold, exist_ok=True)
     t0 = time.perf_counter()
     report = run_once(config)
     seconds = time.perf_counter() - t0

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceBusy as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     _print(report)
     return 1 if report.failed else 0
 

@@ -21,7 +21,7 @@ from bytecheckpoint.storage import open_storage
 from telemetry import span
 
 from .catalog import hot_bytes, orphans, scan
-from .config import TieringConfig
+from .config import ConfigError, TieringConfig
 from .hdfs import HdfsCli, HdfsMover, PolicyAdmin, scan_remote
 from .journal import JOURNAL_FILE, Journal
 from .mover import Hook, Mover, MoveResult, delete_checkpoint, recover
@@ -72,8 +72,10 @@ def run_once(config: TieringConfig, *, dry_run: bool = False, now: float | None 
     storage policies in HDFS mode (default: the Hadoop command line)."""
     if config.mode == "hdfs":
         return _run_hdfs(config, dry_run, time.time() if now is None else now, on_step, admin or HdfsCli())
-    os.makedirs(config.hot, exist_ok=True)
-    os.makedirs(config.cold, exist_ok=True)
+    for label, root in (("hot", config.hot), ("cold", config.cold)):
+        # Never create a missing tier: an unmounted disk would be filled in its mount point.
+        if not os.path.isdir(root):
+            raise ConfigError(f"the {label} tier {root} is not a directory (is the disk mounted?)")
     report = Report(dry_run=dry_run)
     journal = Journal(config.cold)
     with _exclusive(config.cold):
@@ -154,6 +156,8 @@ def run_loop(config: TieringConfig, *, iterations: int | None = None) -> None:
                      len(report.deleted), len(report.failed), report.recovered)
         except ServiceBusy as exc:
             log.warning("%s", exc)
+        except (OSError, ConfigError) as exc:  # a tier unmounted for a while: try again next time
+            log.error("tiering pass failed: %s", exc)
         done += 1
         if iterations is None or done < iterations:
             time.sleep(max(0.0, config.interval - (time.monotonic() - started)))

@@ -107,6 +107,7 @@ def fsdp2_run(world, tmp_path_factory):
 def test_six_checkpoints_four_old_keep_two_cools_exactly_the_four_oldest(world, fsdp2_run, tmp_path):
     root, refs = fsdp2_run
     hot, cold = os.path.dirname(os.path.dirname(root)), str(tmp_path / "hdd")
+    os.makedirs(cold)
     for steps in range(1, 7):
         _age(f"{root}/step_{steps}", 30 if steps <= 4 else 0.01)
     sizes = {s: sum(os.path.getsize(os.path.join(root, f"step_{s}", n))
@@ -331,6 +332,7 @@ def test_settings_from_file_env_and_flags_and_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="cold tier must be a local directory"):
         load_config(env={}, hot="/ssd", cold="s3://bucket/cold")
     assert cli(["--once", "--hot", str(tmp_path)]) == 2
+    assert cli(["--once", "--hot", str(tmp_path), "--cold", str(tmp_path / "unmounted")]) == 2
 
 
 def test_load_holds_a_lease_and_releases_it_and_stale_leases_do_not_count(small_run):
