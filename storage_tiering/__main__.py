@@ -22,8 +22,8 @@ from .config import ConfigError, load_config
 from .service import Report, ServiceBusy, run_loop, run_once
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB"
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _print(report: Report) -> None:
@@ -46,7 +46,7 @@ def _print(report: Report) -> None:
         print(f"FAILED {path}: {err}", file=sys.stderr)
     if report.recovered:
         print(f"resolved {report.recovered} interrupted operation(s) from the journal")
-    print(f"hot tier: {_gib(report.hot_bytes_before)} -> {_gib(report.hot_bytes_after)}")
+    print(f"hot tier: {_mib(report.hot_bytes_before)} -> {_mib(report.hot_bytes_after)}")
 
 
 def main(argv: list[str] | None = None) -> int:
