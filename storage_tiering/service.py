@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from bytecheckpoint.storage import open_storage
-from telemetry import span
+from telemetry import context, get_context, span
 
 from .catalog import hot_bytes, orphans, scan
 from .config import ConfigError, TieringConfig
@@ -70,6 +70,15 @@ def run_once(config: TieringConfig, *, dry_run: bool = False, now: float | None 
     """One pass: recover, scan, decide, act. ``now`` overrides the clock (tests);
     ``on_step`` is called at each step of a move (crash tests); ``admin`` carries out
     storage policies in HDFS mode (default: the Hadoop command line)."""
+    # The service is a process of its own: its events count as rank 0 of a one-rank world,
+    # so the alert rules (which group by rank) see failed moves.
+    own = {} if get_context().get("rank") is not None else {"rank": 0, "world_size": 1}
+    with context(**own):
+        return _run(config, dry_run, now, on_step, admin)
+
+
+def _run(config: TieringConfig, dry_run: bool, now: float | None, on_step: Hook | None,
+         admin: PolicyAdmin | None) -> Report:
     if config.mode == "hdfs":
         return _run_hdfs(config, dry_run, time.time() if now is None else now, on_step, admin or HdfsCli())
     for label, root in (("hot", config.hot), ("cold", config.cold)):

@@ -29,7 +29,10 @@ from storage_tiering.catalog import hot_bytes, scan
 from storage_tiering.journal import JOURNAL_FILE, Journal
 from storage_tiering.mover import recover
 from storage_tiering.service import LOCK_FILE
+from telemetry.alerts import FailedOps, evaluate
+from telemetry.alerts.engine import RuleSet
 from telemetry.sinks import read_spool
+from telemetry.store import connect, ensure_schema, insert_events
 from tests import workloads as w
 from tests.helpers import assert_same_state
 
@@ -261,7 +264,7 @@ def test_second_pass_changes_nothing(small_run):
     assert os.path.getsize(os.path.join(cold, JOURNAL_FILE)) == journal_before
 
 
-def test_a_corrupt_cold_copy_aborts_the_move_and_keeps_the_hot_copy(small_run, tmp_path):
+def test_a_corrupt_cold_copy_aborts_the_move_and_keeps_the_hot_copy(small_run, tmp_path, chdb_dsn):
     hot, cold, run, refs = small_run
     _age(f"{run}/step_1", 30)
     spool = tmp_path / "spool"
@@ -280,6 +283,15 @@ def test_a_corrupt_cold_copy_aborts_the_move_and_keeps_the_hot_copy(small_run, t
     assert telemetry.flush(timeout=5.0)
     moves = [e for e in read_spool(spool) if e["name"] == "tiering.move"]
     assert [m["outcome"] for m in moves] == ["error"] and moves[0]["checkpoint"] == f"{run}/step_1"
+    # The failed move raises an alert once its events reach the store.
+    store = connect(chdb_dsn)
+    try:
+        ensure_schema(store)
+        insert_events(store, list(read_spool(spool)))
+        alerts = [a for a in evaluate(store, RuleSet(FailedOps())) if a.phase == "tiering.move"]
+    finally:
+        store.close()
+    assert len(alerts) == 1 and alerts[0].severity == "error" and "step_1" in alerts[0].checkpoint
     # Without the fault the next pass moves it.
     again = run_once(load_config(hot=hot, cold=cold, cool_after="1d", keep_newest=1), now=NOW)
     assert [os.path.basename(r.checkpoint) for r in again.cooled] == ["step_1"]
