@@ -82,9 +82,15 @@ def timeline_bars(phases: pd.DataFrame, ranks: list[int] | None = None) -> pd.Da
 
 
 def slowest_ranks(phases: pd.DataFrame, n: int) -> list[int]:
-    """The ``n`` ranks whose last span ends last (the stragglers), in rank order."""
-    ends = phases.groupby("rank")["end_ts"].max().sort_values(ascending=False)
-    return sorted(int(r) for r in ends.index[:n])
+    """The ``n`` stragglers, in rank order: ranks ordered by their largest excess over the
+    median rank in any phase. (Ends are no use: every rank waits for the slowest at the
+    commit or barrier, so the others' waiting phases grow while the straggler's work does.)"""
+    body = phases[~phases["phase"].isin(SCOPE_SPANS)]
+    if body.empty:
+        return sorted(int(r) for r in phases["rank"].unique()[:n])
+    excess = body["duration_s"] - body.groupby("phase")["duration_s"].transform("median")
+    score = excess.groupby(body["rank"]).max().sort_values(ascending=False, kind="stable")
+    return sorted(int(r) for r in score.index[:n])
 
 
 def rank_breakdown(phases: pd.DataFrame, rank: int) -> pd.DataFrame:

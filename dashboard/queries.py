@@ -39,7 +39,12 @@ _FILTERS = """({job:String} = '' OR job = {job:String}) AND ({run:String} = '' O
 def frame(client: Any, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:
     """Run ``sql`` with ``parameters``; always a DataFrame, with the query's columns when empty."""
     result = client.query(sql, parameters=parameters, settings=_SETTINGS)
-    return pd.DataFrame(result.result_rows, columns=list(result.column_names))
+    columns = list(result.column_names)
+    if not result.result_rows and not columns:
+        # chdb returns no column names with an empty result; DESCRIBE gives them.
+        described = client.query(f"DESCRIBE ({sql})", parameters=parameters, settings=_SETTINGS)
+        columns = [row[0] for row in described.result_rows]
+    return pd.DataFrame(result.result_rows, columns=columns)
 
 
 def jobs(client: Any) -> pd.DataFrame:

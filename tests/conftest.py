@@ -15,8 +15,9 @@ from tests.dist import WorldPool  # noqa: E402
 
 # Real servers started on 127.0.0.1 by the session: moto_server for S3 (tests/servers.py),
 # checkpoint roots on each backend (tests/roots.py), the Kafka broker and the ClickHouse
-# stores of the telemetry pipeline (tests/telemetry_servers.py).
-pytest_plugins = ["tests.servers", "tests.roots", "tests.telemetry_servers"]
+# stores of the telemetry pipeline (tests/telemetry_servers.py), and a store holding a real run
+# for the dashboard (tests/dashboard_fixtures.py).
+pytest_plugins = ["tests.servers", "tests.roots", "tests.telemetry_servers", "tests.dashboard_fixtures"]
 
 _POOLS: dict[int, WorldPool] = {}
 
