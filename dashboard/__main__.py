@@ -23,7 +23,8 @@ APP = Path(__file__).with_name("app.py")
 def streamlit_command(host: str, port: int) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.address", host,
             "--server.port", str(port), "--server.headless", "true",
-            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+            "--client.toolbarMode", "viewer"]
 
 
 def main(argv: list[str] | None = None) -> int:

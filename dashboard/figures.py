@@ -16,6 +16,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 _TEMPLATE = "plotly_white"
+# Above the plot: below it, a horizontal legend collides with the x-axis title and ticks.
+_LEGEND_TOP = {"legend": {"orientation": "h", "x": 0, "y": 1.0, "xanchor": "left", "yanchor": "bottom"},
+               "margin": {"t": 100}}
 _PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
             "#9D755D", "#BAB0AC", "#1F77B4", "#2CA02C")
 
@@ -116,7 +119,7 @@ def timeline(bars: pd.DataFrame, *, title: str) -> go.Figure:
     ranks = sorted(bars["rank"].unique())
     fig.update_layout(
         title=title, template=_TEMPLATE, barmode="overlay", xaxis_title="seconds since the first span",
-        height=min(4000, max(320, 120 + 22 * len(ranks))), legend={"orientation": "h", "y": -0.12},
+        height=min(4000, max(320, 120 + 22 * len(ranks))), **_LEGEND_TOP,
         yaxis={"categoryorder": "array", "categoryarray": [f"rank {int(r)}" for r in reversed(ranks)]},
     )
     return fig
@@ -134,7 +137,7 @@ def rank_breakdown(breakdown: pd.DataFrame, *, rank: int, title: str) -> go.Figu
                marker_color=_PALETTE[9]),
     ])
     fig.update_layout(title=title, template=_TEMPLATE, barmode="group", yaxis_title="busy seconds",
-                      legend={"orientation": "h", "y": -0.2})
+                      **_LEGEND_TOP)
     return fig
 
 
@@ -152,7 +155,7 @@ def step_durations(ckpts: pd.DataFrame, *, title: str) -> go.Figure:
             fig.add_trace(go.Scatter(x=part["step"], y=part[col], mode="lines+markers",
                                      name=f"{op} {label}", line={"dash": dash}))
     fig.update_layout(title=title, template=_TEMPLATE, xaxis_title="step", yaxis_title="seconds",
-                      legend={"orientation": "h", "y": -0.2})
+                      **_LEGEND_TOP)
     return fig
 
 
@@ -205,7 +208,7 @@ def io_throughput(io: pd.DataFrame, *, title: str, bucket_s: int) -> go.Figure:
             mode="lines+markers", name=f"{backend} {op}",
         ))
     fig.update_layout(title=title, template=_TEMPLATE, yaxis_title=f"MB/s (per {bucket_s} s bucket)",
-                      xaxis_title="time (UTC)", legend={"orientation": "h", "y": -0.2})
+                      xaxis_title="time (UTC)", **_LEGEND_TOP)
     return fig
 
 

@@ -59,7 +59,9 @@ def heatmap_cells(phases: pd.DataFrame, op: str, phase: str, metric: str) -> pd.
 
 
 def _breakdowns(phases: pd.DataFrame) -> pd.Series:
-    ordered = phases.sort_values(["rank", "start_ts"])
+    # The whole call first, then the phases in the order they ran.
+    ordered = (phases.assign(_phase=~phases["phase"].isin(SCOPE_SPANS))
+               .sort_values(["rank", "_phase", "start_ts"]))
     lines = ordered["phase"] + " " + ordered["duration_s"].map("{:.3f} s".format)
     return lines.groupby(ordered["rank"]).agg("<br>".join)
 

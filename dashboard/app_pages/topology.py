@@ -14,14 +14,18 @@ phases = ui.query("rank_phases", **params)
 if phases.empty:
     ui.empty_state("This checkpoint has no per-rank spans (were ranks' contexts set?).")
 
+flagged = ui.query("checkpoint_alerts", **params)
+slow_alerts = flagged[flagged["rule"] == "slow_rank"]
+slow = sorted({int(r) for r in slow_alerts["rank"].dropna()})
+options = frames.phase_options(phases)
+# Open on the phase an alert named: every rank's whole call lasts as long as the slowest's.
+first = options.index(slow_alerts["phase"].iloc[0]) if slow_alerts["phase"].isin(options).any() else 0
 left, right = st.columns(2)
-phase = left.selectbox("Phase", frames.phase_options(phases), key="phase",
+phase = left.selectbox("Phase", options, index=first, key="phase",
                        help="'whole call' is the save/load call each rank made")
 metric = right.radio("Colour", frames.METRICS, horizontal=True, key="metric",
                      help="duration: busy seconds in the phase; throughput: its bytes per second")
 cells, by_rank = frames.layout_coords(frames.heatmap_cells(phases, ckpt["op"], phase, metric))
-flagged = ui.query("checkpoint_alerts", **params)
-slow = sorted({int(r) for r in flagged.loc[flagged["rule"] == "slow_rank", "rank"].dropna()})
 unit = "seconds" if metric == "duration" else "bytes/s"
 fig = figures.topology_heatmap(
     cells, title=f"{phase} {metric} per rank ({unit}) · {ckpt['op']} {ckpt['checkpoint']}",
@@ -32,7 +36,7 @@ if by_rank:
                "by rank number.")
 if slow:
     st.warning("Slow ranks flagged by the alert rules (marked X): "
-               + "; ".join(flagged.loc[flagged["rule"] == "slow_rank", "message"]))
+               + "; ".join(slow_alerts["message"]))
 missing = cells["value"].isna().sum()
 if missing:
     st.caption(f"{missing} rank(s) have no `{phase}` span in this checkpoint (blank cells).")
