@@ -32,19 +32,23 @@ def screenshot(browser: str, url: str, out: Path, *, size: tuple[int, int] = (14
         subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)
 
 
-def rendered(png: Path, *, min_colours: int = 64, min_ink: float = 0.03) -> tuple[bool, str]:
-    """Whether ``png`` looks like a rendered page, not a blank or half-loaded one: enough
-    distinct colours (a chart's colour scale, text antialiasing) and enough non-background
-    pixels. Returns (ok, why)."""
+def rendered(png: Path, *, min_colours: int = 64, min_ink: float = 0.05,
+             sidebar: float = 0.25) -> tuple[bool, str]:
+    """Whether ``png`` looks like a rendered page, not a blank or half-loaded one. Streamlit
+    draws its sidebar before the page body, so only the area right of the sidebar counts: it
+    needs enough distinct colours (a chart's colour scale, antialiased text) and enough
+    non-background pixels. Returns (ok, description)."""
     if not png.is_file() or png.stat().st_size == 0:
         return False, "no screenshot written"
     with Image.open(png) as img:
         rgb = img.convert("RGB")
-        small = rgb.resize((rgb.width // 2, rgb.height // 2))
+        body = rgb.crop((int(rgb.width * sidebar), 0, rgb.width, rgb.height))
+        small = body.resize((max(1, body.width // 2), max(1, body.height // 2)))
         colours = small.getcolors(maxcolors=1 << 20) or []
-        background = max(colours)[1] if colours else (255, 255, 255)
-        ink = 1.0 - max(colours)[0] / (small.width * small.height) if colours else 0.0
-        desc = f"{rgb.width}x{rgb.height}, {len(colours)} colours, {ink:.1%} non-background {background}"
+        count, background = max(colours) if colours else (0, (255, 255, 255))
+        ink = 1.0 - count / (small.width * small.height)
+        desc = (f"{rgb.width}x{rgb.height}; page body: {len(colours)} colours, "
+                f"{ink:.1%} non-background {background}")
     if len(colours) < min_colours or ink < min_ink:
         return False, desc
     return True, desc

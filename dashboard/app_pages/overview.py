@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from dashboard import frames, ui
@@ -30,7 +31,10 @@ else:
     st.success("No alerts and no failed spans.")
 
 st.subheader("Jobs")
-st.dataframe(ui.query("jobs"), hide_index=True, width="stretch")
+jobs = ui.query("jobs")
+st.dataframe(jobs.assign(first=pd.to_datetime(jobs["first_ts"], unit="s", utc=True),
+                         last=pd.to_datetime(jobs["last_ts"], unit="s", utc=True))
+             .drop(columns=["first_ts", "last_ts"]), hide_index=True, width="stretch")
 
 st.subheader("Recent checkpoints")
 table = ckpts.assign(
