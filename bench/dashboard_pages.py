@@ -52,7 +52,7 @@ def synthetic_events(ranks: int, checkpoints: int, loads_every: int, seed: int =
         step = (c + 1) * 100
         ops = [("save", SAVE_PHASES, f"/ckpt/step_{step}")]
         if c % loads_every == loads_every - 1:
-            ops.append(("load", LOAD_PHASES, "/ckpt"))
+            ops.append(("load", LOAD_PHASES, f"/ckpt/step_{step}"))  # a load of that step
         slow = rng.randrange(ranks)
         for op, phases, path in ops:
             for rank in range(ranks):

@@ -88,9 +88,10 @@ def topology_heatmap(cells: pd.DataFrame, *, title: str, colorbar: str,
                 marker={"symbol": "x-thin-open", "size": 14, "color": "black", "line": {"width": 3}},
                 hoverinfo="skip", showlegend=i == 0,
             ), row=r, col=c)
-        fig.update_xaxes(title_text="DP rank", row=r, col=c, dtick=1 if dp_n <= 32 else None)
+        # A tick per rank while they fit; beyond that plotly picks fewer.
+        fig.update_xaxes(title_text="DP rank", row=r, col=c, dtick=1 if dp_n * cols <= 32 else None)
         fig.update_yaxes(title_text="TP rank" if c == 1 else None, row=r, col=c, autorange="reversed",
-                         dtick=1 if tp_n <= 32 else None)
+                         dtick=1 if tp_n * rows <= 32 else None)
     fig.update_layout(
         title=title, template=_TEMPLATE, height=max(360, 300 * rows),
         coloraxis={"colorscale": "Viridis" if reverse else "YlOrRd", "colorbar": {"title": colorbar}},
