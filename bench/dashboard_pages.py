@@ -7,6 +7,7 @@ Two measurements per page, each the median of --repeats runs with the query cach
   protobuf serialisation included. The browser's own drawing is not measured.
 
     .venv/bin/python bench/dashboard_pages.py [--ranks 1024] [--checkpoints 50] [--repeats 5]
+        [--store DIR [--reuse]]
 """
 
 from __future__ import annotations
@@ -185,23 +186,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=5000, help="events per insert (the ingester's default)")
     parser.add_argument("--store", default=None, help="store directory (default: a temporary one)")
+    parser.add_argument("--reuse", action="store_true", help="measure a --store that already holds data")
     args = parser.parse_args()
 
     path = Path(args.store or tempfile.mkdtemp(prefix="bcp-dash-bench-")).absolute()
     dsn = f"chdb://{path}"
     client = connect(dsn)
     ensure_schema(client)
-    t0 = time.perf_counter()
-    events = synthetic_events(args.ranks, args.checkpoints, args.loads_every)
-    # Batches of the ingester's size, and no OPTIMIZE: queries read unmerged parts with FINAL,
-    # as they do on a store the ingester keeps appending to.
-    for i in range(0, len(events), args.batch):
-        insert_events(client, events[i:i + args.batch])
-    insert_alerts(client, slow_rank_alerts(events))
-    client.close()
     tp, dp, pp = topology(args.ranks)
-    print(f"store {path}: {len(events):,} events ({args.ranks} ranks = TP {tp} x DP {dp} x PP {pp}, "
-          f"{args.checkpoints} checkpoints) written in {time.perf_counter() - t0:.1f} s")
+    stored = int(client.command("SELECT count() FROM events"))
+    if args.reuse and stored:
+        print(f"store {path}: reusing its {stored:,} events")
+    else:
+        t0 = time.perf_counter()
+        events = synthetic_events(args.ranks, args.checkpoints, args.loads_every)
+        # Batches of the ingester's size, and no OPTIMIZE: queries read unmerged parts with FINAL,
+        # as they do on a store the ingester keeps appending to.
+        for i in range(0, len(events), args.batch):
+            insert_events(client, events[i:i + args.batch])
+        insert_alerts(client, slow_rank_alerts(events))
+        print(f"store {path}: {len(events):,} events ({args.ranks} ranks = TP {tp} x DP {dp} x PP {pp}, "
+              f"{args.checkpoints} checkpoints) written in {time.perf_counter() - t0:.1f} s")
+    client.close()
 
     import logging
 
