@@ -147,4 +147,11 @@ def test_blank_screenshots_are_not_taken_for_rendered_pages(tmp_path):
     blank = tmp_path / "blank.png"
     Image.new("RGB", (1400, 900), "white").save(blank)
     ok, why = rendered(blank)
-    assert not ok and "colours" in why
+    assert not ok and "1 colours" in why
+    # Widgets drawn but no chart yet: grey text on white passes the basic check, not the chart one.
+    page = tmp_path / "widgets.png"
+    img = Image.new("RGB", (1400, 900), "white")
+    for i in range(120):
+        img.paste((i, i, i + 20), (400 + 5 * i, 100, 404 + 5 * i, 400))
+    img.save(page)
+    assert rendered(page)[0] and not rendered(page, min_chart=0.005)[0]
