@@ -9,10 +9,12 @@ start it with ``--spool DIR`` so it ingests the spool itself, or use a ClickHous
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from telemetry.store import StoreError, connect, default_dsn, ensure_schema
@@ -85,7 +87,11 @@ def _is_connection_error(exc: Exception) -> bool:
 
 
 def start_spool_ingest(dsn: str, spool_dir: str, every_s: float = 5.0) -> None:
-    """Ingest ``spool_dir`` into the embedded store from a thread of this process (idempotent)."""
+    """Ingest ``spool_dir`` into the store from a thread of this process (idempotent).
+
+    Its read positions are kept per store (``.ingest-state-dashboard-<hash>.json`` in the
+    spool), apart from the CLI ingester's: events both deliver are merged by event id.
+    """
     with _lock:
         if _state["ingester"] is not None:
             return
@@ -96,12 +102,22 @@ def start_spool_ingest(dsn: str, spool_dir: str, every_s: float = 5.0) -> None:
         thread.start()
 
 
+def stop_spool_ingest(timeout_s: float = 30.0) -> None:
+    with _lock:
+        ingester, _state["ingester"] = _state["ingester"], None
+    if ingester is not None:
+        thread, stop = ingester
+        stop.set()
+        thread.join(timeout_s)
+
+
 def _ingest_loop(dsn: str, spool_dir: str, every_s: float, stop: threading.Event) -> None:
     from telemetry.ingest.runner import Batch
     from telemetry.ingest.spool_source import SpoolSource
     from telemetry.store import insert_events
 
-    source = SpoolSource(spool_dir)
+    key = hashlib.sha1(dsn.encode()).hexdigest()[:12]
+    source = SpoolSource(spool_dir, state_file=Path(spool_dir) / f".ingest-state-dashboard-{key}.json")
     try:
         while not stop.is_set():
             batch: Batch = source.poll(5000, 0.2)

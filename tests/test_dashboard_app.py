@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import goodput, store
+from dashboard import goodput, queries, store
 from telemetry.sinks.spool import read_spool
 from tests.dashboard_fixtures import JOB, RUN_SAVE
 from tests.dashboard_workloads import coords
@@ -228,3 +229,23 @@ def test_empty_store_and_unreachable_store_say_what_to_do(tmp_path, monkeypatch)
     at = page("overview")
     [error] = at.error
     assert "cannot be reached" in error.value and "server is up" in error.value
+
+
+def test_spool_mode_ingests_while_the_dashboard_owns_the_store(dashboard_run, tmp_path, monkeypatch):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    for path in dashboard_run.spool.glob("*.jsonl"):
+        (spool / path.name).write_bytes(path.read_bytes())
+    dsn = f"chdb://{tmp_path / 'live'}"
+    monkeypatch.setenv(store.DSN_ENV, dsn)
+    store.start_spool_ingest(dsn, str(spool), every_s=0.2)
+    try:
+        deadline = time.monotonic() + 60
+        while len(store.run_query(dsn, queries.checkpoints)) < 3:
+            assert time.monotonic() < deadline, "the spool was not ingested within 60 s"
+            time.sleep(0.2)
+        at = page("overview")
+        assert sorted(at.dataframe[1].value["op"]) == ["load", "save", "save"]
+    finally:
+        store.stop_spool_ingest()
+        store.close()
