@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, NoReturn
+from urllib.parse import urlencode
 
 import pandas as pd
 import streamlit as st
@@ -120,3 +121,8 @@ def pick_checkpoint(ckpts: pd.DataFrame, *, ops: tuple[str, ...] = ("save", "loa
 
 def checkpoint_params(row: pd.Series) -> dict[str, str]:
     return {"job": row["job"], "run": row["run"], "checkpoint": row["checkpoint"], "op": row["op"]}
+
+
+def heatmap_link(row: pd.Series) -> str:
+    """A relative link to the topology page for the checkpoint in ``row`` (job, run, checkpoint, op)."""
+    return "/topology?" + urlencode(checkpoint_params(row))

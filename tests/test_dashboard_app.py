@@ -7,6 +7,7 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 import pytest
@@ -198,7 +199,9 @@ def test_trends_alerts_goodput_and_tiering_show_the_run(dsn, dashboard_run):
     at = page("alerts", job=JOB)
     table = at.dataframe[0].value
     assert list(table["rule"]) == ["slow_rank"] and list(table["rank"]) == [2]
-    assert table["heatmap"].iloc[0].startswith("/topology?job=dash&run=train4&checkpoint=slowfs")
+    link = urlparse(table["heatmap"].iloc[0])
+    assert link.path == "/topology" and parse_qs(link.query) == {
+        "job": [JOB], "run": [RUN_SAVE], "checkpoint": [dashboard_run.saves[1]], "op": ["save"]}
 
     at = page("goodput", job=JOB, run=RUN_SAVE)
     inputs = goodput.GoodputInputs(iteration_s=at.number_input(key="t_iter").value,

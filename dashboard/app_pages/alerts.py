@@ -22,10 +22,7 @@ for col, (_, row) in zip(cols, counts.iterrows()):
 
 table = alerts.assign(
     created=pd.to_datetime(alerts["created_ts"], unit="s", utc=True),
-    heatmap=["/topology?" + "&".join(f"{k}={v}" for k, v in
-                                     {"job": r["job"], "run": r["run"], "checkpoint": r["checkpoint"],
-                                      "op": r["op"]}.items())
-             for _, r in alerts.iterrows()],
+    heatmap=[ui.heatmap_link(r) for _, r in alerts.iterrows()],
 )
 st.dataframe(
     table[["created", "rule", "severity", "message", "step", "rank", "phase", "checkpoint", "op", "heatmap"]],

@@ -41,8 +41,7 @@ table = ckpts.assign(
     size=ckpts["bytes"].map(format_bytes),
     status=[("committed" if c else "not committed") if op == "save" else ("ok" if not e else "errors")
             for c, op, e in zip(ckpts["committed"], ckpts["op"], ckpts["errors"])],
-    heatmap=["/topology?" + "&".join(f"{k}={v}" for k, v in ui.checkpoint_params(r).items())
-             for _, r in ckpts.iterrows()],
+    heatmap=[ui.heatmap_link(r) for _, r in ckpts.iterrows()],
 )
 st.dataframe(
     table[["op", "step", "checkpoint", "job", "run", "ranks", "size", "blocking_s", "e2e_s", "status",
