@@ -22,6 +22,19 @@ pytest_plugins = ["tests.servers", "tests.roots", "tests.telemetry_servers", "te
 _POOLS: dict[int, WorldPool] = {}
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the dashboard tests last, in their own order.
+
+    They open the embedded ClickHouse (chdb) in this process (Streamlit's AppTest runs pages
+    here), and a gloo pool started in this process after chdb was loaded fails its
+    rendezvous (TCPStore connect timeouts). The pools they need are started first, by the
+    session fixture, before any store is opened here.
+    """
+    dashboard = [item for item in items if item.nodeid.startswith("tests/test_dashboard_")]
+    if dashboard:
+        items[:] = [item for item in items if item not in dashboard] + dashboard
+
+
 @pytest.fixture(scope="session")
 def world() -> Iterator:
     """``world(n)`` returns a pool of n ranks in one gloo group, started once per session."""

@@ -217,23 +217,6 @@ def test_trends_alerts_goodput_and_tiering_show_the_run(dsn, dashboard_run):
     assert "No tiering activity yet" in at.info[0].value
 
 
-def test_empty_store_and_unreachable_store_say_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setenv(store.DSN_ENV, f"chdb://{tmp_path / 'empty'}")
-    try:
-        for name in ("overview", "topology", "timeline", "trends", "goodput"):
-            at = page(name)
-            assert "No checkpoints in the telemetry store yet" in at.info[0].value, name
-            assert "python -m telemetry.ingest" in at.info[0].value
-    finally:
-        store.close()
-    from tests.dist import free_port
-
-    monkeypatch.setenv(store.DSN_ENV, f"http://127.0.0.1:{free_port()}/bcp")
-    at = page("overview")
-    [error] = at.error
-    assert "cannot be reached" in error.value and "server is up" in error.value
-
-
 def test_spool_mode_ingests_while_the_dashboard_owns_the_store(dashboard_run, tmp_path, monkeypatch):
     spool = tmp_path / "spool"
     spool.mkdir()
@@ -252,3 +235,21 @@ def test_spool_mode_ingests_while_the_dashboard_owns_the_store(dashboard_run, tm
     finally:
         store.stop_spool_ingest()
         store.close()
+
+
+# Last in this module: it loads chdb in this process without the run's pools (see conftest).
+def test_empty_store_and_unreachable_store_say_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv(store.DSN_ENV, f"chdb://{tmp_path / 'empty'}")
+    try:
+        for name in ("overview", "topology", "timeline", "trends", "goodput"):
+            at = page(name)
+            assert "No checkpoints in the telemetry store yet" in at.info[0].value, name
+            assert "python -m telemetry.ingest" in at.info[0].value
+    finally:
+        store.close()
+    from tests.dist import free_port
+
+    monkeypatch.setenv(store.DSN_ENV, f"http://127.0.0.1:{free_port()}/bcp")
+    at = page("overview")
+    [error] = at.error
+    assert "cannot be reached" in error.value and "server is up" in error.value
