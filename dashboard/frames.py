@@ -127,26 +127,36 @@ def with_tiers(ckpts: pd.DataFrame, moves: pd.DataFrame) -> pd.DataFrame:
 
 
 def tiering_state(moves: pd.DataFrame) -> pd.DataFrame:
-    """Per checkpoint: current tier, bytes moved, last move's outcome, and whether a move is open."""
+    """Per checkpoint: current tier ("deleted" after retention), bytes moved, moves, failed
+    moves, whether a move is open (only with ``tiering.begin`` spans), last event time."""
     cols = ["checkpoint", "tier", "bytes_moved", "moves", "failed", "in_progress", "last_ts"]
-    if moves.empty:
+    events = moves[moves["name"].isin(["tiering.move", "tiering.begin", "tiering.delete"])] \
+        if not moves.empty else moves
+    if events.empty:
         return pd.DataFrame(columns=cols)
     rows = []
-    for ckpt, group in moves.sort_values("ts").groupby("checkpoint"):
+    for ckpt, group in events.sort_values("ts").groupby("checkpoint"):
         finished = group[group["name"] == "tiering.move"]
         ok = finished[finished["outcome"] == "ok"]
         begins = group[group["name"] == "tiering.begin"]
+        deleted = group[(group["name"] == "tiering.delete") & (group["outcome"] == "ok")]
         last_end = finished["ts"].add(finished["duration_s"]).max() if not finished.empty else -1.0
+        tier = ok["tier"].iloc[-1] if not ok.empty else "hot"
+        if not deleted.empty and deleted["ts"].max() >= (ok["ts"].max() if not ok.empty else -1.0):
+            tier = "deleted"
         rows.append({
-            "checkpoint": ckpt,
-            "tier": ok["tier"].iloc[-1] if not ok.empty else "hot",
-            "bytes_moved": int(ok["bytes"].sum()),
-            "moves": len(finished),
-            "failed": int((finished["outcome"] != "ok").sum()),
+            "checkpoint": ckpt, "tier": tier, "bytes_moved": int(ok["bytes"].sum()),
+            "moves": len(finished), "failed": int((finished["outcome"] != "ok").sum()),
             "in_progress": bool(not begins.empty and begins["ts"].max() > last_end),
             "last_ts": float(group["ts"].max()),
         })
     return pd.DataFrame(rows, columns=cols)
+
+
+def last_scan(moves: pd.DataFrame) -> pd.Series | None:
+    """The newest ``tiering.scan``: hot tier bytes, checkpoints to cool and to delete."""
+    scans = moves[moves["name"] == "tiering.scan"] if not moves.empty else moves
+    return None if scans.empty else scans.sort_values("ts").iloc[-1]
 
 
 def io_bucket_s(span_s: float, buckets: int = 120) -> int:

@@ -4,14 +4,16 @@ A checkpoint is identified by (job, run, checkpoint, op), the columns the events
 ordered by, so the per-checkpoint queries read only that checkpoint's rows. Events are read
 with FINAL so redelivered copies count once (see ``telemetry.store``).
 
-Tiering contract (read by ``tiering_moves``; the tiering service emits these spans into the
-same events table):
+Tiering (read by ``tiering_moves``): the cooling service's spans in the same events table.
 
-- ``tiering.move``: one span per checkpoint move, finished. Fields: ``checkpoint=`` the
-  checkpoint's path, ``bytes=`` bytes moved, ``phase=`` the destination tier (e.g. "cold"),
-  and in ``attrs``: ``from_tier`` (e.g. "hot") and ``files``. ``outcome`` "error" = failed.
-- ``tiering.begin``: an instant span with the same ``checkpoint=`` and ``phase=`` when a move
-  starts; a begin with no later ``tiering.move`` for that checkpoint is a move in progress.
+- ``tiering.move``: one finished span per checkpoint moved hot -> cold, with ``checkpoint``,
+  ``bytes`` (moved) and ``files``; ``outcome`` "error" is a failed or aborted move. A
+  ``phase=`` field, when given, names the destination tier (default "cold").
+- ``tiering.delete``: a checkpoint removed by retention (``checkpoint``, ``bytes``).
+- ``tiering.scan``: one per pass; ``bytes`` is the hot tier's size, ``attrs`` hold
+  ``checkpoints``, ``to_cool`` and ``to_delete``.
+- ``tiering.begin`` (optional, not emitted by the service today): a move started; one with
+  no later ``tiering.move`` for its checkpoint is shown as in progress.
 
 A checkpoint's tier is the destination of its latest successful move, else "hot".
 """
@@ -196,8 +198,9 @@ def iteration_time(client: Any, *, job: str = ALL, run: str = ALL) -> float | No
 def tiering_moves(client: Any, *, job: str = ALL, run: str = ALL) -> pd.DataFrame:
     """Every ``tiering.*`` event (see the module docs), oldest first."""
     sql = f"""
-    SELECT name, checkpoint, phase AS tier, JSONExtractString(attrs, 'from_tier') AS from_tier,
-           ifNull(bytes, 0) AS bytes, outcome, error, toFloat64(ts) AS ts, duration_s
+    SELECT name, checkpoint, if(phase != '', phase, 'cold') AS tier, ifNull(bytes, 0) AS bytes,
+           JSONExtractInt(attrs, 'files') AS files, JSONExtractInt(attrs, 'to_cool') AS to_cool,
+           JSONExtractInt(attrs, 'to_delete') AS to_delete, outcome, error, toFloat64(ts) AS ts, duration_s
     FROM {EVENTS} FINAL
     WHERE startsWith(name, {{prefix:String}}) AND {_FILTERS}
     ORDER BY ts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -15,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import goodput, queries, store
 from telemetry.sinks.spool import read_spool
+from telemetry.store import insert_events
 from tests.dashboard_fixtures import JOB, RUN_SAVE
 from tests.dashboard_workloads import coords
 
@@ -253,3 +255,35 @@ def test_empty_store_and_unreachable_store_say_what_to_do(tmp_path, monkeypatch)
     at = page("overview")
     [error] = at.error
     assert "cannot be reached" in error.value and "server is up" in error.value
+
+
+def test_tiering_page_reads_the_cooling_services_spans(tmp_path, monkeypatch):
+    # Spans shaped as storage_tiering emits them (rank 0 of a one-rank world), stored by the
+    # same writer the ingester uses.
+    def span(name: str, ts: float, **fields) -> dict:
+        attrs = {k: fields.pop(k) for k in ("files", "move_id", "checkpoints", "to_cool", "to_delete")
+                 if k in fields}
+        return {"event_id": uuid.uuid4().hex, "name": name, "ts": ts, "duration_s": 0.5, "outcome": "ok",
+                "job": "tiering", "run": "", "rank": 0, "world_size": 1, "host": "vm", "attrs": attrs,
+                **fields}
+
+    events = [
+        span("tiering.scan", 100.0, path="/hot", bytes=3 << 20, checkpoints=3, to_cool=2, to_delete=0),
+        span("tiering.move", 101.0, checkpoint="/hot/ckpt/step_4", path="/hot/ckpt/step_4", bytes=2 << 20,
+             files=12, move_id="m1"),
+        span("tiering.move", 102.0, checkpoint="/hot/ckpt/step_8", path="/hot/ckpt/step_8", files=12,
+             move_id="m2", outcome="error", error="MoveError: pinned or being read since the scan"),
+    ]
+    dsn = f"chdb://{tmp_path / 'tiering'}"
+    monkeypatch.setenv(store.DSN_ENV, dsn)
+    try:
+        store.run_query(dsn, insert_events, events=events)
+        at = page("tiering")
+        metrics = {m.label: m.value for m in at.metric}
+        assert metrics["Checkpoints cooled"] == "1" and metrics["Failed moves"] == "1"
+        assert metrics["Bytes moved"] == "2.0 MiB" and metrics["Hot tier (last scan)"] == "3.0 MiB"
+        assert "/hot/ckpt/step_8" in at.error[0].value
+        table = at.dataframe[0].value.set_index("checkpoint")
+        assert list(table.loc[["/hot/ckpt/step_4", "/hot/ckpt/step_8"], "tier"]) == ["cold", "hot"]
+    finally:
+        store.close()

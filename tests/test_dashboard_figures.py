@@ -125,20 +125,23 @@ def test_goodput_inputs_measured_from_checkpoints():
 
 
 def test_tiering_state_and_tiers():
+    def ev(name, ckpt, ts, outcome="ok", nbytes=0, dur=0.0):
+        return {"name": name, "checkpoint": ckpt, "tier": "cold", "bytes": nbytes, "files": 2, "to_cool": 0,
+                "to_delete": 0, "outcome": outcome, "error": "", "ts": ts, "duration_s": dur}
+
     moves = pd.DataFrame([
-        {"name": "tiering.begin", "checkpoint": "a", "tier": "cold", "from_tier": "hot", "bytes": 0,
-         "outcome": "ok", "error": "", "ts": 1.0, "duration_s": 0.0},
-        {"name": "tiering.move", "checkpoint": "a", "tier": "cold", "from_tier": "hot", "bytes": 100,
-         "outcome": "ok", "error": "", "ts": 1.0, "duration_s": 2.0},
-        {"name": "tiering.begin", "checkpoint": "b", "tier": "cold", "from_tier": "hot", "bytes": 0,
-         "outcome": "ok", "error": "", "ts": 5.0, "duration_s": 0.0},
-        {"name": "tiering.move", "checkpoint": "c", "tier": "cold", "from_tier": "hot", "bytes": 0,
-         "outcome": "error", "error": "OSError: disk", "ts": 6.0, "duration_s": 1.0},
+        ev("tiering.scan", "", 0.5, nbytes=5000) | {"to_cool": 2, "to_delete": 1},
+        ev("tiering.move", "a", 1.0, nbytes=100, dur=2.0),
+        ev("tiering.begin", "b", 5.0),
+        ev("tiering.move", "c", 6.0, outcome="error", dur=1.0),
+        ev("tiering.delete", "d", 7.0, nbytes=300),
     ])
     state = frames.tiering_state(moves).set_index("checkpoint")
     assert state.loc["a", "tier"] == "cold" and state.loc["a", "bytes_moved"] == 100
     assert bool(state.loc["b", "in_progress"]) and not bool(state.loc["a", "in_progress"])
     assert state.loc["c", "failed"] == 1 and state.loc["c", "tier"] == "hot"
+    assert state.loc["d", "tier"] == "deleted" and "" not in state.index
+    assert frames.last_scan(moves)["bytes"] == 5000
     ckpts = pd.DataFrame({"checkpoint": ["a", "c", "a"], "op": ["save", "save", "load"]})
     assert list(frames.with_tiers(ckpts, moves)["tier"]) == ["cold", "hot", ""]
 
