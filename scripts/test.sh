@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/env.sh
+./scripts/ensure_chromium.sh  # for the dashboard's screenshot test
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,167 @@
+"""Pure reshaping of query results into what one figure plots (DataFrame in, DataFrame out)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from telemetry.schema import SCOPE_SPANS
+
+WHOLE_CALL = "whole call"  # the save / load span itself: what the training loop waits for
+METRICS = ("duration", "throughput")
+
+
+def layout_coords(per_rank: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
+    """Fill dp/tp/pp for the heatmap grid; returns (frame, used_rank_grid).
+
+    Missing coordinates count as 0. If two ranks still share a cell (a job that never set its
+    topology), the ranks are laid out on a near-square grid by rank number instead.
+    """
+    out = per_rank.copy()
+    for col in ("dp", "tp", "pp"):
+        out[col] = pd.to_numeric(out[col], errors="coerce").fillna(0).astype(int)
+    if not out.duplicated(["pp", "tp", "dp"]).any():
+        return out, False
+    width = max(1, math.ceil(math.sqrt(len(out))))
+    ranks = out["rank"].astype(int)
+    out["pp"], out["tp"], out["dp"] = 0, ranks // width, ranks % width
+    return out, True
+
+
+def phase_options(phases: pd.DataFrame) -> list[str]:
+    """Choices for the heatmap's colour: the whole call first, then the phases in the data."""
+    names = sorted(p for p in phases["phase"].unique() if p not in SCOPE_SPANS)
+    return [WHOLE_CALL, *names]
+
+
+def heatmap_cells(phases: pd.DataFrame, op: str, phase: str, metric: str) -> pd.DataFrame:
+    """One row per rank: rank, host, dp, tp, pp, value (seconds, or bytes/s) and a hover text
+    with the rank's phase breakdown.
+
+    ``phases`` is ``queries.rank_phases``; ``phase`` is ``WHOLE_CALL`` or a phase name.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, not {metric!r}")
+    name = op if phase == WHOLE_CALL else phase
+    if phases.empty:
+        return pd.DataFrame(columns=["rank", "host", "dp", "tp", "pp", "value", "breakdown"])
+    ranks = phases.groupby("rank", as_index=False).agg(
+        host=("host", "first"), dp=("dp", "first"), tp=("tp", "first"), pp=("pp", "first"))
+    chosen = phases[phases["phase"] == name].set_index("rank")
+    if metric == "duration":
+        value = chosen["duration_s"]
+    else:
+        value = (chosen["bytes"] / chosen["duration_s"].where(chosen["duration_s"] > 0)).astype(float)
+    ranks["value"] = ranks["rank"].map(value).astype(float)
+    ranks["breakdown"] = ranks["rank"].map(_breakdowns(phases)).fillna("")
+    return ranks
+
+
+def _breakdowns(phases: pd.DataFrame) -> pd.Series:
+    # The whole call first, then the phases in the order they ran.
+    ordered = (phases.assign(_phase=~phases["phase"].isin(SCOPE_SPANS))
+               .sort_values(["rank", "_phase", "start_ts"]))
+    lines = ordered["phase"] + " " + ordered["duration_s"].map("{:.3f} s".format)
+    return lines.groupby(ordered["rank"]).agg("<br>".join)
+
+
+def timeline_bars(phases: pd.DataFrame, ranks: list[int] | None = None) -> pd.DataFrame:
+    """One bar per (rank, phase): start and end in seconds since the checkpoint's first span.
+
+    The whole save / load call is left out (it spans every phase); ``ranks`` picks a subset.
+    """
+    bars = phases[~phases["phase"].isin(SCOPE_SPANS)]
+    if ranks is not None:
+        bars = bars[bars["rank"].isin(ranks)]
+    if bars.empty:
+        return pd.DataFrame(columns=["rank", "phase", "start_s", "end_s", "duration_s", "spans", "bytes"])
+    t0 = phases["start_ts"].min()
+    out = bars[["rank", "phase", "duration_s", "spans", "bytes"]].copy()
+    out["start_s"] = bars["start_ts"] - t0
+    out["end_s"] = bars["end_ts"] - t0
+    return out.sort_values(["rank", "start_s"]).reset_index(drop=True)
+
+
+def slowest_ranks(phases: pd.DataFrame, n: int) -> list[int]:
+    """The ``n`` stragglers, in rank order: ranks ordered by their largest excess over the
+    median rank in any phase. (Ends are no use: every rank waits for the slowest at the
+    commit or barrier, so the others' waiting phases grow while the straggler's work does.)"""
+    body = phases[~phases["phase"].isin(SCOPE_SPANS)]
+    if body.empty:
+        return sorted(int(r) for r in phases["rank"].unique()[:n])
+    excess = body["duration_s"] - body.groupby("phase")["duration_s"].transform("median")
+    score = excess.groupby(body["rank"]).max().sort_values(ascending=False, kind="stable")
+    return sorted(int(r) for r in score.index[:n])
+
+
+def rank_breakdown(phases: pd.DataFrame, rank: int) -> pd.DataFrame:
+    """One rank's busy seconds per phase beside the median over all ranks (paper Fig. 12)."""
+    body = phases[~phases["phase"].isin(SCOPE_SPANS)]
+    median = body.groupby("phase")["duration_s"].median()
+    mine = body[body["rank"] == rank].set_index("phase")
+    order = mine.sort_values("start_ts").index
+    return pd.DataFrame({
+        "phase": list(order),
+        "duration_s": mine.loc[order, "duration_s"].to_numpy(),
+        "median_s": median.reindex(order).to_numpy(),
+        "spans": mine.loc[order, "spans"].to_numpy(),
+        "bytes": mine.loc[order, "bytes"].to_numpy(),
+    })
+
+
+def checkpoint_label(row: pd.Series) -> str:
+    """How a checkpoint is named in selectors: op, step, path, run."""
+    step = "" if pd.isna(row["step"]) else f" step {int(row['step'])}"
+    return f"{row['op']}{step} · {row['checkpoint']} · {row['job']}/{row['run']}"
+
+
+def with_tiers(ckpts: pd.DataFrame, moves: pd.DataFrame) -> pd.DataFrame:
+    """Add a ``tier`` column: the destination of the latest successful ``tiering.move``."""
+    out = ckpts.copy()
+    done = moves[(moves["name"] == "tiering.move") & (moves["outcome"] == "ok")] if not moves.empty else moves
+    latest = done.sort_values("ts").groupby("checkpoint")["tier"].last() if not done.empty else {}
+    out["tier"] = [latest.get(c, "hot") if op == "save" else ""
+                   for c, op in zip(out["checkpoint"], out["op"])]
+    return out
+
+
+def tiering_state(moves: pd.DataFrame) -> pd.DataFrame:
+    """Per checkpoint: current tier ("deleted" after retention), bytes moved, moves, failed
+    moves, whether a move is open (only with ``tiering.begin`` spans), last event time."""
+    cols = ["checkpoint", "tier", "bytes_moved", "moves", "failed", "in_progress", "last_ts"]
+    events = moves[moves["name"].isin(["tiering.move", "tiering.begin", "tiering.delete"])] \
+        if not moves.empty else moves
+    if events.empty:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    for ckpt, group in events.sort_values("ts").groupby("checkpoint"):
+        finished = group[group["name"] == "tiering.move"]
+        ok = finished[finished["outcome"] == "ok"]
+        begins = group[group["name"] == "tiering.begin"]
+        deleted = group[(group["name"] == "tiering.delete") & (group["outcome"] == "ok")]
+        last_end = finished["ts"].add(finished["duration_s"]).max() if not finished.empty else -1.0
+        tier = ok["tier"].iloc[-1] if not ok.empty else "hot"
+        if not deleted.empty and deleted["ts"].max() >= (ok["ts"].max() if not ok.empty else -1.0):
+            tier = "deleted"
+        rows.append({
+            "checkpoint": ckpt, "tier": tier, "bytes_moved": int(ok["bytes"].sum()),
+            "moves": len(finished), "failed": int((finished["outcome"] != "ok").sum()),
+            "in_progress": bool(not begins.empty and begins["ts"].max() > last_end),
+            "last_ts": float(group["ts"].max()),
+        })
+    return pd.DataFrame(rows, columns=cols)
+
+
+def last_scan(moves: pd.DataFrame) -> pd.Series | None:
+    """The newest ``tiering.scan``: hot tier bytes, checkpoints to cool and to delete."""
+    scans = moves[moves["name"] == "tiering.scan"] if not moves.empty else moves
+    return None if scans.empty else scans.sort_values("ts").iloc[-1]
+
+
+def io_bucket_s(span_s: float, buckets: int = 120) -> int:
+    """A round bucket width giving about ``buckets`` points over ``span_s`` seconds."""
+    for width in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400):
+        if span_s / width <= buckets:
+            return width
+    return 86400

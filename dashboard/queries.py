@@ -1,0 +1,208 @@
+"""Every query the dashboard runs: parameterized SQL in, pandas DataFrames out.
+
+A checkpoint is identified by (job, run, checkpoint, op), the columns the events table is
+ordered by, so the per-checkpoint queries read only that checkpoint's rows. Events are read
+with FINAL so redelivered copies count once (see ``telemetry.store``).
+
+Tiering (read by ``tiering_moves``): the cooling service's spans in the same events table.
+
+- ``tiering.move``: one finished span per checkpoint moved hot -> cold, with ``checkpoint``,
+  ``bytes`` (moved) and ``files``; ``outcome`` "error" is a failed or aborted move. A
+  ``phase=`` field, when given, names the destination tier (default "cold").
+- ``tiering.delete``: a checkpoint removed by retention (``checkpoint``, ``bytes``).
+- ``tiering.scan``: one per pass; ``bytes`` is the hot tier's size, ``attrs`` hold
+  ``checkpoints``, ``to_cool`` and ``to_delete``.
+- ``tiering.begin`` (optional, not emitted by the service today): a move started; one with
+  no later ``tiering.move`` for its checkpoint is shown as in progress.
+
+A checkpoint's tier is the destination of its latest successful move, else "hot".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from telemetry.schema import IO_SPAN_PREFIX, SCOPE_SPANS, THROUGHPUT_PHASES
+from telemetry.store.schema import ALERTS, EVENTS, IO_OPS
+
+TIERING_PREFIX = "tiering."
+ALL = ""  # an empty job / run filter matches everything
+
+# Output columns reuse input names (duration_s, bytes, step); see telemetry.store.queries.
+_SETTINGS = {"prefer_column_name_to_alias": 1}
+
+_SCOPE = """job = {job:String} AND run = {run:String} AND checkpoint = {checkpoint:String}
+        AND checkpoint_op = {op:String}"""
+_FILTERS = """({job:String} = '' OR job = {job:String}) AND ({run:String} = '' OR run = {run:String})"""
+
+
+def frame(client: Any, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:
+    """Run ``sql`` with ``parameters``; always a DataFrame, with the query's columns when empty."""
+    result = client.query(sql, parameters=parameters, settings=_SETTINGS)
+    columns = list(result.column_names)
+    if not result.result_rows and not columns:
+        # chdb returns no column names with an empty result; DESCRIBE gives them.
+        described = client.query(f"DESCRIBE ({sql})", parameters=parameters, settings=_SETTINGS)
+        columns = [row[0] for row in described.result_rows]
+    return pd.DataFrame(result.result_rows, columns=columns)
+
+
+def jobs(client: Any) -> pd.DataFrame:
+    """Per (job, run): checkpoints saved and loaded, ranks, first and last event."""
+    sql = f"""
+    SELECT job, run, uniqExactIf(checkpoint, checkpoint_op = 'save') AS saves,
+           uniqExactIf(checkpoint, checkpoint_op = 'load') AS loads, max(world_size) AS world_size,
+           min(toFloat64(ts)) AS first_ts, max(toFloat64(ts) + duration_s) AS last_ts,
+           countIf(outcome = 'error') AS errors
+    FROM {EVENTS} FINAL
+    GROUP BY job, run
+    ORDER BY last_ts DESC
+    """
+    return frame(client, sql, {})
+
+
+def checkpoints(client: Any, *, job: str = ALL, run: str = ALL, limit: int = 500) -> pd.DataFrame:
+    """One row per (job, run, checkpoint, op), newest first: step, ranks, blocking seconds (the
+    slowest rank's whole save/load call), end-to-end seconds (first start to last end of any
+    span), bytes moved by the I/O phases, committed, errors."""
+    sql = f"""
+    SELECT job, run, checkpoint, checkpoint_op AS op, max(step) AS step, uniqExact(rank) AS ranks,
+           min(toFloat64(ts)) AS start_ts, max(toFloat64(ts) + duration_s) AS end_ts,
+           maxIf(duration_s, name = checkpoint_op) AS blocking_s,
+           max(toFloat64(ts) + duration_s) - min(toFloat64(ts)) AS e2e_s,
+           sumIf(ifNull(bytes, 0), has({{io:Array(String)}}, name)) AS bytes,
+           countIf(name = 'save.commit' AND outcome = 'ok') > 0 AS committed,
+           countIf(outcome = 'error') AS errors
+    FROM {EVENTS} FINAL
+    WHERE checkpoint != '' AND checkpoint_op IN ('save', 'load') AND {_FILTERS}
+    GROUP BY job, run, checkpoint, checkpoint_op
+    ORDER BY start_ts DESC
+    LIMIT {{limit:UInt32}}
+    """
+    return frame(client, sql, {"job": job, "run": run, "io": list(THROUGHPUT_PHASES), "limit": limit})
+
+
+def rank_phases(client: Any, *, job: str, run: str, checkpoint: str, op: str) -> pd.DataFrame:
+    """Per (rank, phase) of one checkpoint, storage ops left out: spans, busy seconds (sum),
+    start and end (epoch s), bytes, errors, and the rank's coordinates and host."""
+    sql = f"""
+    SELECT rank, name AS phase, count() AS spans, sum(duration_s) AS duration_s,
+           min(toFloat64(ts)) AS start_ts, max(toFloat64(ts) + duration_s) AS end_ts,
+           sum(ifNull(bytes, 0)) AS bytes, countIf(outcome = 'error') AS errors,
+           any(dp) AS dp, any(tp) AS tp, any(pp) AS pp, any(host) AS host, max(step) AS step
+    FROM {EVENTS} FINAL
+    WHERE {_SCOPE} AND rank IS NOT NULL AND NOT startsWith(name, {{io:String}})
+    GROUP BY rank, name
+    ORDER BY rank, name
+    """
+    return frame(client, sql, {"job": job, "run": run, "checkpoint": checkpoint, "op": op,
+                               "io": IO_SPAN_PREFIX})
+
+
+def step_phases(client: Any, *, job: str = ALL, run: str = ALL, op: str = "save") -> pd.DataFrame:
+    """Per (step, phase): the slowest rank's and the median rank's busy seconds."""
+    sql = f"""
+    SELECT step, phase, max(d) AS max_s, quantileExact(0.5)(d) AS median_s, count() AS ranks
+    FROM (
+        SELECT step, rank, name AS phase, sum(duration_s) AS d
+        FROM {EVENTS} FINAL
+        WHERE step IS NOT NULL AND checkpoint_op = {{op:String}} AND rank IS NOT NULL
+          AND NOT startsWith(name, {{io:String}}) AND NOT has({{scopes:Array(String)}}, name)
+          AND {_FILTERS}
+        GROUP BY step, rank, name
+    )
+    GROUP BY step, phase
+    ORDER BY step, phase
+    """
+    return frame(client, sql, {"job": job, "run": run, "op": op, "io": IO_SPAN_PREFIX,
+                               "scopes": list(SCOPE_SPANS)})
+
+
+def io_latency(client: Any, *, job: str = ALL, run: str = ALL) -> pd.DataFrame:
+    """Per (backend, op): count, bytes and latency quantiles (for box plots without raw rows)."""
+    sql = f"""
+    SELECT backend, op, count() AS ops, sum(ifNull(bytes, 0)) AS bytes,
+           min(duration_s) AS min_s, quantilesExact(0.25, 0.5, 0.75, 0.99)(duration_s) AS q,
+           max(duration_s) AS max_s, countIf(outcome = 'error') AS errors
+    FROM {IO_OPS} FINAL
+    WHERE {_FILTERS}
+    GROUP BY backend, op
+    ORDER BY backend, op
+    """
+    df = frame(client, sql, {"job": job, "run": run})
+    for i, name in enumerate(("p25_s", "p50_s", "p75_s", "p99_s")):
+        df[name] = [q[i] for q in df["q"]] if len(df) else pd.Series(dtype=float)
+    return df.drop(columns=["q"])
+
+
+def io_throughput(client: Any, *, job: str = ALL, run: str = ALL, bucket_s: int = 60) -> pd.DataFrame:
+    """Storage ops per time bucket, backend and op: count, bytes, bytes per second, errors."""
+    sql = f"""
+    SELECT toFloat64(toStartOfInterval(ts, toIntervalSecond({{bucket:UInt32}}))) AS bucket_ts,
+           backend, op, count() AS ops, sum(ifNull(bytes, 0)) AS bytes,
+           sum(ifNull(bytes, 0)) / {{bucket:UInt32}} AS bytes_per_s,
+           countIf(outcome = 'error') AS errors, countIf(ifNull(attempt, 1) > 1) AS retries
+    FROM {IO_OPS} FINAL
+    WHERE {_FILTERS}
+    GROUP BY bucket_ts, backend, op
+    ORDER BY bucket_ts, backend, op
+    """
+    return frame(client, sql, {"job": job, "run": run, "bucket": max(1, int(bucket_s))})
+
+
+def io_time_range(client: Any, *, job: str = ALL, run: str = ALL) -> tuple[float, float] | None:
+    sql = f"SELECT min(toFloat64(ts)) AS lo, max(toFloat64(ts)) AS hi, count() AS n FROM {IO_OPS} " \
+          f"WHERE {_FILTERS}"
+    df = frame(client, sql, {"job": job, "run": run})
+    if df.empty or int(df["n"].iloc[0]) == 0:
+        return None
+    return float(df["lo"].iloc[0]), float(df["hi"].iloc[0])
+
+
+def alerts(client: Any, *, job: str = ALL, run: str = ALL, limit: int = 500) -> pd.DataFrame:
+    """Recent alerts, newest first."""
+    sql = f"""
+    SELECT alert_id, rule, severity, job, run, checkpoint, checkpoint_op AS op, step, phase, rank,
+           value, threshold, message, toFloat64(created_at) AS created_ts
+    FROM {ALERTS} FINAL
+    WHERE {_FILTERS}
+    ORDER BY created_at DESC
+    LIMIT {{limit:UInt32}}
+    """
+    return frame(client, sql, {"job": job, "run": run, "limit": limit})
+
+
+def checkpoint_alerts(client: Any, *, job: str, run: str, checkpoint: str, op: str) -> pd.DataFrame:
+    """Alerts raised on one checkpoint (the heatmap marks their ranks)."""
+    sql = f"""
+    SELECT rule, rank, phase, message FROM {ALERTS} FINAL
+    WHERE {_SCOPE}
+    """
+    return frame(client, sql, {"job": job, "run": run, "checkpoint": checkpoint, "op": op})
+
+
+def iteration_time(client: Any, *, job: str = ALL, run: str = ALL) -> float | None:
+    """Median ``train.step`` span, when the training loop reports one."""
+    sql = f"""
+    SELECT quantileExact(0.5)(duration_s) AS t, count() AS n FROM {EVENTS} FINAL
+    WHERE name = 'train.step' AND {_FILTERS}
+    """
+    df = frame(client, sql, {"job": job, "run": run})
+    if df.empty or int(df["n"].iloc[0]) == 0:
+        return None
+    return float(df["t"].iloc[0])
+
+
+def tiering_moves(client: Any, *, job: str = ALL, run: str = ALL) -> pd.DataFrame:
+    """Every ``tiering.*`` event (see the module docs), oldest first."""
+    sql = f"""
+    SELECT name, checkpoint, if(phase != '', phase, 'cold') AS tier, ifNull(bytes, 0) AS bytes,
+           JSONExtractInt(attrs, 'files') AS files, JSONExtractInt(attrs, 'to_cool') AS to_cool,
+           JSONExtractInt(attrs, 'to_delete') AS to_delete, outcome, error, toFloat64(ts) AS ts, duration_s
+    FROM {EVENTS} FINAL
+    WHERE startsWith(name, {{prefix:String}}) AND {_FILTERS}
+    ORDER BY ts
+    """
+    return frame(client, sql, {"job": job, "run": run, "prefix": TIERING_PREFIX})
