@@ -278,7 +278,7 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
     group, device = _exchange_group(comm, process_group, plan.reads)
     file_index = {f.name: i for i, f in enumerate(plan.meta.files)}
     pipeline = LoadPipeline(
-        plan.storage, plan.path, [f.name for f in plan.meta.files], units, plan.reads,
+        plan.storage, plan.path, units, plan.reads,
         rank=comm.rank, group=group, global_rank=lambda r: comm.global_ranks[r], threads=threads,
         verify=verify, chunk_bytes=plan.meta.chunk_bytes, device=device,
     )

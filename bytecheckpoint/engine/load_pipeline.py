@@ -104,11 +104,11 @@ class PipelineResult:
 class LoadPipeline:
     """Runs the read units of one load on this rank (see the module docstring)."""
 
-    def __init__(self, storage: Storage, path: str, files: list[str], units: list[ReadUnit],
+    def __init__(self, storage: Storage, path: str, units: list[ReadUnit],
                  mine: dict[tuple[int, int], BoxRead], *, rank: int, group: Any,
                  global_rank: Callable[[int], int], threads: int, verify: bool, chunk_bytes: int,
                  device: torch.device, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
-        self.storage, self.path, self.files = storage, path, files
+        self.storage, self.path = storage, path
         self.units, self.mine, self.rank = units, mine, rank
         self.group, self.global_rank = group, global_rank
         self.threads, self.verify, self.chunk_bytes = threads, verify, chunk_bytes
@@ -180,7 +180,12 @@ class LoadPipeline:
         with ThreadPoolExecutor(max(1, self.threads)) as pool:
             pending = self._submit(pool, groups[0]) if groups else []
             for i, window in enumerate(groups):
-                recvs = self._post_receives(window, bases[i])
+                # gloo: receives are posted before reading, sends as reads complete. NCCL
+                # runs point-to-point operations in order on one stream, so a window's
+                # receives and sends go out together as one batch instead.
+                batched = self.device.type == "cuda"
+                recvs = self._receives(window, bases[i])
+                reqs = [] if batched else [op.op(op.tensor, op.peer, op.group, op.tag) for op in recvs]
                 reads = pending
                 pending = self._submit(pool, groups[i + 1]) if i + 1 < len(groups) else []
                 sends = []
@@ -190,27 +195,33 @@ class LoadPipeline:
                         self.bytes_read += u.nbytes
                     except Exception as exc:  # still send: the peers are waiting for these bytes
                         self._fail(exc)
-                    sends.extend(self._send(u, bases[i] + j))
-                with span("load.exchange", sends=len(sends), receives=len(recvs)):
-                    for req in [*recvs, *sends]:
+                    ops = self._sends(u, bases[i] + j)
+                    if batched:
+                        sends.extend(ops)
+                    else:
+                        reqs.extend(op.op(op.tensor, op.peer, op.group, op.tag) for op in ops)
+                if batched and (recvs or sends):
+                    reqs = dist.batch_isend_irecv([*recvs, *sends])
+                with span("load.exchange", requests=len(reqs)):
+                    for req in reqs:
                         req.wait()
                 self._finish(window)
         return PipelineResult(self.bytes_read, self.bytes_received, self.error)
 
-    def _post_receives(self, window: list[ReadUnit], base: int) -> list[Any]:
-        reqs = []
+    def _receives(self, window: list[ReadUnit], base: int) -> list[dist.P2POp]:
+        ops = []
         for j, u in enumerate(window):
             if self.rank in u.receivers and u.nbytes:
-                reqs.append(dist.irecv(self._slice(u), self.global_rank(u.reader), group=self.group,
-                                       tag=base + j))
+                ops.append(dist.P2POp(dist.irecv, self._slice(u), self.global_rank(u.reader),
+                                      self.group, base + j))
                 self.bytes_received += u.nbytes
-        return reqs
+        return ops
 
-    def _send(self, u: ReadUnit, tag: int) -> list[Any]:
+    def _sends(self, u: ReadUnit, tag: int) -> list[dist.P2POp]:
         if not u.receivers or not u.nbytes:
             return []
         data = self._slice(u)
-        return [dist.isend(data, self.global_rank(r), group=self.group, tag=tag) for r in u.receivers]
+        return [dist.P2POp(dist.isend, data, self.global_rank(r), self.group, tag) for r in u.receivers]
 
     def _finish(self, window: list[ReadUnit]) -> None:
         done = {u.box: self.mine[u.box] for u in window

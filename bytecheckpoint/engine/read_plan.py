@@ -91,6 +91,10 @@ def plan_reads(needs_per_rank: list[Iterable[Need]]) -> list[ReadUnit]:
                 by_box[(n.file, n.box_offset, n.box_length)].append((n.start, n.stop, rank))
     raw: list[tuple[int, int, int, int, int, tuple[int, ...]]] = []
     for (file, off, length), needs in by_box.items():
+        if len(needs) == 1:  # the common case (one rank needs this box): nothing to cut
+            start, stop, rank = needs[0]
+            raw.append((file, off, length, start, stop, (rank,)))
+            continue
         for start, stop, ranks in _pieces(needs):
             raw.append((file, off, length, start, stop, ranks))
     load = [0] * len(needs_per_rank)

@@ -1,7 +1,8 @@
 """The save workflow, run by every rank.
 
   1. collect         flatten the state, ask the planner for this rank's boxes (local plan)
-  2. plan            cache hit: reuse the assignment (no communication). Otherwise gather
+  2. plan            hash the structure; cache hit: reuse the assignment (no communication,
+                     no planning work). Otherwise gather
                      local plans; the coordinator dedups, balances, validates, and scatters
                      each rank's assignment and the staging directory
   3. stage           async saves and device tensors: copy the assigned boxes into the host
@@ -130,8 +131,6 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     job.flat, job.framework, job.blobs = flat, planner.name, blobs
     job.layout = planner.layout(flat, comm)
     job.local = LocalSavePlan(comm.rank, items, own_bytes, shared)
-    job.key = structure_key(job.local, framework=job.framework, layout=job.layout, kinds=flat.kinds,
-                            global_ranks=comm.global_ranks, chunk_bytes=job.chunk_bytes)
 
 
 # -- the coordinator's side of the first round -----------------------------------------------
@@ -395,13 +394,20 @@ def save(
                async_save, t0)
     with span("save", path=url, step=step, async_save=async_save) as total:
         t = time.perf_counter()
-        with span("save.plan") as plan_span:
-            local_error: BaseException | None = None
+        local_error: BaseException | None = None
+        with span("save.collect"):
             try:
                 split_checkpoint_path(path)
                 _collect(job, state, framework, fqn_map)
             except Exception as exc:
                 local_error = exc
+        job.phases["collect"] = time.perf_counter() - t
+        t = time.perf_counter()
+        with span("save.plan") as plan_span:
+            if local_error is None:
+                job.key = structure_key(job.local, framework=job.framework, layout=job.layout,
+                                        kinds=job.flat.kinds, global_ranks=comm.global_ranks,
+                                        chunk_bytes=chunk_bytes)
             entry = plan_cache.get(comm.global_ranks)
             hit = local_error is None and entry is not None and entry.key == job.key
             plan_span.set(cached=hit)
@@ -424,17 +430,24 @@ def save(
             return result
 
         handle = SaveHandle(url, step)
-        handle._start(lambda: _finish(job, assignment, hit, sources))
-        set_pending(handle)
+        stager = sources.stager
+        assert stager is not None
+        # A D2H copy is DMA: the writer may start on the first pieces while the rest are
+        # copied. On CPU the copy and the writer would compete for the same cores while
+        # training waits, so the writer starts once the snapshot is complete.
+        overlap = stager.cuda
+        if overlap:
+            handle._start(lambda: _finish(job, assignment, hit, sources))
         stage_error: BaseException | None = None
         try:
-            if sources.stager is not None:
-                sources.stager.run()  # the snapshot: the writer starts on pieces as they land
+            stager.run()  # the snapshot
         except BaseException as exc:
             stage_error = exc
-            assert sources.stager is not None
-            sources.stager.fail()
+            stager.fail()
         job.phases["stage"] = time.perf_counter() - t
+        if not overlap:
+            handle._start(lambda: _finish(job, assignment, hit, sources))
+        set_pending(handle)
         handle.blocking_s = time.perf_counter() - t0
         total.set(framework=job.framework, cached_plan=hit, blocking_s=handle.blocking_s)
     if stage_error is not None:

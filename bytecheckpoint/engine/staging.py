@@ -5,8 +5,10 @@ needs host memory to write from. Both copy into one host arena per kind of memor
 when the tensors are on CUDA, plain otherwise). The arena is allocated once, grows only when
 a save needs more than any save before it, and is reused by every later save: saves run one
 at a time, so it is never shared. Pieces are copied in write order, and each one is marked
-ready as soon as it lands, so the writer starts on the first piece while the next ones are
-still being copied (the two halves of a ping-pong pipeline, without a second copy).
+ready as soon as it lands, so a writer may start on the first piece while the next ones are
+still being copied (the two halves of a ping-pong pipeline, without a second copy). The
+engine overlaps them for device tensors, where the copy is DMA; on CPU an async save lets the
+copy finish first, since both would compete for the cores training is waiting on.
 """
 
 from __future__ import annotations
