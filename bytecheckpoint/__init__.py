@@ -8,6 +8,7 @@
 __version__ = "0.1.0"
 
 from .api import load, pipeline_fqn_map, save  # noqa: E402
+from .engine.async_save import SaveHandle  # noqa: E402
 from .engine.load import LoadResult  # noqa: E402
 from .engine.save import SaveResult  # noqa: E402
 from .errors import (  # noqa: E402
@@ -27,7 +28,8 @@ from .integrity import verify  # noqa: E402
 from .shards import TensorShard  # noqa: E402
 
 __all__ = [
-    "save", "load", "verify", "pipeline_fqn_map", "TensorShard", "RNGState", "SaveResult", "LoadResult",
+    "save", "load", "verify", "pipeline_fqn_map", "TensorShard", "RNGState", "SaveResult", "SaveHandle",
+    "LoadResult",
     "CheckpointError",
     "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",

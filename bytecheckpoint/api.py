@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .checksums import DEFAULT_CHUNK_BYTES
+from .engine.async_save import SaveHandle, wait_pending
 from .engine.load import LoadResult
 from .engine.load import load as _load
 from .engine.save import SaveResult
@@ -29,7 +30,8 @@ def save(
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fqn_map: Callable[[str], str] | None = None,
-) -> SaveResult:
+    async_save: bool = False,
+) -> SaveResult | SaveHandle:
     """Save ``state`` to the checkpoint directory ``path``; every rank must call it.
 
     Args:
@@ -46,10 +48,18 @@ def save(
         chunk_bytes: checksum granularity in bytes.
         fqn_map: renames this rank's parameter names to global ones, e.g. a pipeline stage's
             ``layers.0`` to ``layers.8`` (see :func:`bytecheckpoint.pipeline_fqn_map`).
+        async_save: return a :class:`SaveHandle` as soon as this rank's share of the state is
+            copied into host memory; writing and committing go on in the background, and the
+            tensors may change meanwhile. ``handle.wait()`` returns the ``SaveResult`` or raises
+            the save's error. The next save (or load) waits for this one first; call
+            ``wait()`` before ``destroy_process_group()``.
+
+    A save whose state structure is unchanged since this process group's last save reuses
+    that save's plan and sends no planning messages (``SaveResult.cached_plan``).
     """
     return _save(path, state, framework=framework, step=step, user_metadata=user_metadata,
                  process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes,
-                 fqn_map=fqn_map)
+                 fqn_map=fqn_map, async_save=async_save)
 
 
 def load(
@@ -69,6 +79,7 @@ def load(
     raising. ``verify`` checks the checksum of every byte read. ``fqn_map`` renames this
     rank's parameter names to global ones, as in :func:`save`.
     """
+    wait_pending()  # a save still in flight finishes first (it may be the one to load)
     return _load(path, state, framework=framework, strict=strict, process_group=process_group,
                  verify=verify, fqn_map=fqn_map)
 

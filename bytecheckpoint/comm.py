@@ -18,6 +18,7 @@ from .errors import CheckpointError, RankFailedError
 
 T = TypeVar("T")
 _GLOO_GROUPS: dict[Any, Any] = {}
+_SAVE_GROUPS: dict[tuple[int, ...], Any] = {}
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,30 @@ def _control_group(group: Any) -> Any:
     return _GLOO_GROUPS[key]
 
 
-class Communicator:
-    """Rank, world size and checked collectives over one process group (or none)."""
+def _save_group(group: Any) -> Any:
+    """A gloo group of the same ranks used only by saves, created on the first save.
 
-    def __init__(self, group: Any = None) -> None:
+    An async save finishes its collectives on a background thread; on a group of their own
+    they never interleave with the training thread's collectives. Saves run one at a time,
+    so the group is never used by two threads at once."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if ranks not in _SAVE_GROUPS:
+        # Only the member ranks take part in creating it (every one of them is saving).
+        _SAVE_GROUPS[ranks] = dist.new_group(ranks=list(ranks), backend="gloo",
+                                             use_local_synchronization=True)
+    return _SAVE_GROUPS[ranks]
+
+
+class Communicator:
+    """Rank, world size and checked collectives over one process group (or none).
+
+    ``dedicated=True`` runs them on the save group (see :func:`_save_group`) instead of the
+    control group."""
+
+    def __init__(self, group: Any = None, *, dedicated: bool = False) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
-            self.group = _control_group(group)
+            self.group = _save_group(group) if dedicated else _control_group(group)
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self.global_ranks = dist.get_process_group_ranks(self.group)

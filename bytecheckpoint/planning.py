@@ -50,19 +50,30 @@ class GlobalSavePlan:
     shared_assignments: list[list[str]] = field(default_factory=list)  # per rank
 
 
-def _assign_shared(plans: list[LocalSavePlan], load: list[int]) -> list[list[str]]:
-    """One writer per shared object: the least-loaded rank holding it. Holders must agree."""
-    holders: dict[str, list[int]] = defaultdict(list)
+def check_shared_objects(
+    shared_per_rank: list[dict[str, tuple[int, int]]],
+) -> dict[str, tuple[int, int, int]]:
+    """Raise if holders of a shared object disagree on its value (by content hash); return
+    ``key -> (size, digest, first holder)``. Also run on every save a cached plan serves."""
     seen: dict[str, tuple[int, int, int]] = {}
-    for plan in plans:
-        for key, (size, digest) in plan.shared.items():
-            prev = seen.setdefault(key, (size, digest, plan.rank))
+    for rank, shared in enumerate(shared_per_rank):
+        for key, (size, digest) in shared.items():
+            prev = seen.setdefault(key, (size, digest, rank))
             if prev[1] != digest:
                 raise PlanningError(
-                    f"{key}: ranks {prev[2]} and {plan.rank} hold different values of this "
+                    f"{key}: ranks {prev[2]} and {rank} hold different values of this "
                     "object, which must be the same on every rank that has it (e.g. optimizer "
                     "hyperparameters); make them agree before saving"
                 )
+    return seen
+
+
+def _assign_shared(plans: list[LocalSavePlan], load: list[int]) -> list[list[str]]:
+    """One writer per shared object: the least-loaded rank holding it. Holders must agree."""
+    seen = check_shared_objects([plan.shared for plan in plans])
+    holders: dict[str, list[int]] = defaultdict(list)
+    for plan in plans:
+        for key in plan.shared:
             holders[key].append(plan.rank)
     out: list[list[str]] = [[] for _ in plans]
     for key in sorted(holders, key=lambda k: (-seen[k][0], k)):

@@ -4,6 +4,7 @@ Run as ``python -m tests.crash_worker ROOT MOMENT`` with RANK/WORLD_SIZE/MASTER_
 Saves step_1 normally (and a torch.save reference of its full state), then saves step_2
 through a storage backend that stalls at MOMENT so the test can SIGKILL the process there:
   write   rank 1 stalls in the middle of writing its first storage file
+  async   the same, in the background of an async save, while the training thread goes on
   commit  rank 0 stalls after writing the metadata, just before the commit rename
 """
 
@@ -36,7 +37,7 @@ class StallingStorage(LocalStorage):
 
     def open_writer(self, path: str):
         writer = super().open_writer(path)
-        if self.moment == "write" and dist.get_rank() == 1 and path.endswith(".safetensors"):
+        if self.moment in ("write", "async") and dist.get_rank() == 1 and path.endswith(".safetensors"):
             original = writer.write
 
             def write(data):
@@ -66,7 +67,13 @@ def main() -> None:
     w.train_step(model, optim, 1, dist.get_rank())
     marker = f"{root}/stalled-{moment}"
     register_backend("stall", lambda: StallingStorage(moment, marker))
-    bcp.save(f"stall://{root}/step_2", {"model": model, "optimizer": optim}, step=2)
+    if moment == "async":
+        handle = bcp.save(f"stall://{root}/step_2", {"model": model, "optimizer": optim}, step=2,
+                          async_save=True)
+        w.train_step(model, optim, 2, dist.get_rank())  # training goes on meanwhile
+        handle.wait()
+    else:
+        bcp.save(f"stall://{root}/step_2", {"model": model, "optimizer": optim}, step=2)
     os._exit(3)  # never reached: the test kills us first
 
 

@@ -133,7 +133,9 @@ def fsdp1_save_collectives(path: str, use_orig_params: bool) -> dict[str, int]:
     """Count every torch.distributed collective during an FSDP v1 save, split into those made
     by the planning/commit protocol (bytecheckpoint's Communicator) and any others."""
     from bytecheckpoint import comm as bcomm
+    from bytecheckpoint.engine import plan_cache
 
+    plan_cache.clear()  # a first save of this structure: the full protocol
     model, optim = make_fsdp1(0, use_orig_params)
     train_step(model, optim, 0, dist.get_rank())
     counts = {"protocol_calls": 0, "other_collectives": 0, "protocol_collectives": 0}

@@ -1,5 +1,6 @@
-"""A process killed (SIGKILL) in the middle of a save: the last committed checkpoint stays
-loadable and bit-exact, the interrupted one is refused, and ``latest`` is unchanged."""
+"""A process killed (SIGKILL) in the middle of a save (synchronous, or in the background of
+an async save): the last committed checkpoint stays loadable and bit-exact, the interrupted
+one is refused, and ``latest`` is unchanged."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _start_job(root: str, moment: str) -> list[subprocess.Popen]:
     return procs
 
 
-@pytest.mark.parametrize("moment", ["write", "commit"])
+@pytest.mark.parametrize("moment", ["write", "async", "commit"])
 def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path, moment):
     root = str(tmp_path)
     procs = _start_job(root, moment)
@@ -42,7 +43,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path, moment):
             assert time.time() < deadline, "the job never reached the moment to kill"
             assert all(p.poll() is None for p in procs), "a rank exited early"
             time.sleep(0.1)
-        victim = procs[1] if moment == "write" else procs[0]
+        victim = procs[0] if moment == "commit" else procs[1]
         victim.send_signal(signal.SIGKILL)
         victim.wait(30)
         assert victim.returncode == -signal.SIGKILL

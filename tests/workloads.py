@@ -175,3 +175,12 @@ def failing_object_save(root: str) -> str:
     except bcp.CheckpointError as exc:
         return type(exc).__name__
     return "saved"
+
+
+def ddp_load(root: str) -> dict[str, Any]:
+    """Load into a DDP model on every rank (each rank needs every byte of the checkpoint)."""
+    torch.manual_seed(99)
+    model = DDP(GPT(CFG))
+    optim = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    result = bcp.load(root, {"model": model, "optimizer": optim}, framework="ddp")
+    return {"state": full_state(model.module, optim), "bytes_read": result.bytes_read}

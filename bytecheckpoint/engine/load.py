@@ -2,45 +2,48 @@
 
   1. resolve + metadata   find the committed checkpoint, read and validate its metadata
   2. match                flatten the target state; check keys, shapes and dtypes
-  3. plan reads           intersect each target box with the saved boxes of its tensor
-  4. read + copy          one ranged read per saved box needed (widened to whole checksum
-                          chunks and verified), then copy each intersection in place
-  5. apply                optimizer param groups, module extra state, other objects
+  3. plan reads           intersect each target box with the saved boxes of its tensor; the
+                          byte range needed of each (widened to whole checksum chunks)
+  4. agree                one all-gather of every rank's keys and byte ranges; every rank
+                          derives the same read plan: each needed byte read by one rank
+  5. read + exchange      ranged, verified reads on a thread pool; units other ranks need are
+                          sent to them; each finished box is copied in place (load_pipeline)
+  6. apply                optimizer param groups, module extra state, other objects
 A final collective makes every rank raise if any rank failed.
 """
 
 from __future__ import annotations
 
-import posixpath
 import time
-from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from telemetry import span
 
 from .. import codec
-from ..checksums import bad_chunks, widen_to_chunks
+from ..checksums import widen_to_chunks
 from ..comm import Communicator, Outcome, raise_failures
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import (
-    CorruptCheckpointError,
     DtypeMismatchError,
     MissingKeysError,
+    RankFailedError,
     ShapeMismatchError,
     StateMismatchError,
 )
 from ..integrity import check_file_sizes, read_metadata, resolve
 from ..leases import lease_for_load
 from ..metadata import CheckpointMetadata, SavedBox
-from ..planners import LocalShard, get_planner
-from ..sharding import Box, element_span, row_major_strides
+from ..planners import get_planner
+from ..sharding import element_span
 from ..state import FlatState, flatten_state
 from ..storage import Storage
+from .load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
+from .read_plan import Need, plan_reads
 
 _MAX_LISTED = 20
 
@@ -57,36 +60,9 @@ class LoadResult:
     phases: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
-class _Copy:
-    region: Box  # global coordinates, inside both the saved box and the target shard
-    target: LocalShard
-
-
 def _listing(keys: list[str]) -> str:
     shown = ", ".join(keys[:_MAX_LISTED])
     return shown + (f" ... and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else "")
-
-
-def _match_keys(meta: CheckpointMetadata, flat: FlatState,
-                everyone: list[tuple[set[str], set[str], list[str]]]) -> tuple[list[str], list[str]]:
-    """Missing keys (this rank's) and unexpected keys (wanted by no rank), within the
-    top-level groups the state asks for.
-
-    Groups absent from the state are ignored, so ``{"model": m}`` loads just the model of a
-    checkpoint that also holds an optimizer. ``everyone`` holds every rank's wanted keys and
-    groups: a pipeline stage does not ask for another stage's layers, yet they are expected.
-    """
-    saved = {t.key for t in meta.tensors} | {o.key for o in meta.objects}
-    missing = sorted(_wanted(flat) - saved)
-    wanted_anywhere = set().union(*(w for w, _, _ in everyone))
-    groups = set().union(*(g for _, g, _ in everyone))
-    accepted = tuple(sorted({p for _, _, prefixes in everyone for p in prefixes}))
-    unexpected = sorted(
-        k for k in saved - wanted_anywhere
-        if k.split("/", 1)[0] in groups and not k.startswith(accepted)
-    )
-    return missing, unexpected
 
 
 def _check_splittable(meta: CheckpointMetadata, flat: FlatState, world_size: int) -> None:
@@ -108,8 +84,8 @@ def _wanted(flat: FlatState) -> set[str]:
     return set(flat.tensors) | set(flat.shared_objects) | set(flat.rank_objects)
 
 
-def _accepted(flat: FlatState, key: str) -> bool:
-    return any(key.startswith(p) for p in flat.accept_prefixes)
+def _accepted(prefixes: list[str], key: str) -> bool:
+    return any(key.startswith(p) for p in prefixes)
 
 
 def _check_tensor(key: str, tensor: torch.Tensor, saved_shape: tuple[int, ...], saved_dtype: str,
@@ -124,49 +100,6 @@ def _check_tensor(key: str, tensor: torch.Tensor, saved_shape: tuple[int, ...], 
             f"{key}: dtype mismatch: the checkpoint has {saved_dtype}, the state to load into "
             f"has {dtype_name(tensor.dtype)}; cast the model before loading or save in this dtype"
         )
-
-
-def _read_box(storage: Storage, path: str, meta: CheckpointMetadata, saved: SavedBox,
-              copies: list[_Copy], verify: bool) -> int:
-    """Read the part of one saved box that ``copies`` need, verify it, copy it out."""
-    dtype = dtype_from_name(meta.tensor(saved.key).dtype)
-    item = dtype.itemsize
-    lo, hi = None, 0
-    for c in copies:
-        first, end = element_span(c.region.relative_to(saved.box), saved.box.lengths)
-        lo = first if lo is None else min(lo, first)
-        hi = max(hi, end)
-    start, stop = lo * item, hi * item
-    if verify:
-        start, stop = widen_to_chunks(start, stop, saved.bytes.byte_length, meta.chunk_bytes)
-    full = posixpath.join(path, saved.bytes.file)
-    buf = bytearray(stop - start)
-    with span("load.read", path=full, bytes=len(buf)):
-        got = storage.read_into(full, saved.bytes.byte_offset + start, memoryview(buf))
-    if got != len(buf):
-        raise CorruptCheckpointError(
-            f"{storage.url(full)}: truncated: wanted {len(buf)} bytes at "
-            f"{saved.bytes.byte_offset + start}, got {got}"
-        )
-    if verify:
-        bad = bad_chunks(memoryview(buf), start, list(saved.bytes.checksums), meta.chunk_bytes)
-        if bad:
-            raise CorruptCheckpointError(
-                f"{storage.url(full)}: checksum mismatch in {saved.key} (bytes "
-                f"{saved.bytes.byte_offset + start}..{saved.bytes.byte_offset + stop}); the file "
-                "is corrupt: restore it or load another checkpoint"
-            )
-    flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    values = flat.view(dtype) if flat.numel() else torch.empty(0, dtype=dtype)
-    base = start // item
-    strides = row_major_strides(saved.box.lengths)
-    for c in copies:
-        rel = c.region.relative_to(saved.box)
-        first, _ = element_span(rel, saved.box.lengths)
-        src = values.as_strided(rel.lengths, strides, first - base)
-        dst = c.target.data[c.region.relative_to(c.target.box).slices()]
-        dst.copy_(src)
-    return len(buf)
 
 
 def load(
@@ -189,7 +122,7 @@ def load(
     with span("load", path=url) as total, lease_for_load(url):
         try:
             result = _load_local(url, state, framework, strict, comm, verify, threads, phases,
-                                 fqn_map)
+                                 fqn_map, process_group)
         except Exception as exc:
             error = exc
         with span("load.barrier"):
@@ -201,44 +134,49 @@ def load(
     return result
 
 
-def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: bool,
-                comm: Communicator, verify: bool, threads: int, phases: dict[str, float],
-                fqn_map: Callable[[str], str] | None) -> LoadResult:
-    t = time.perf_counter()
-    local_error: BaseException | None = None
-    try:
-        with span("load.metadata"):
-            storage, path = resolve(url)
-            meta = read_metadata(storage, path)
-        phases["metadata"] = time.perf_counter() - t
-        t = time.perf_counter()
-        saved_keys = {tm.key for tm in meta.tensors} | {o.key for o in meta.objects}
-        flat = flatten_state(
-            state, for_load=True, fqn_map=fqn_map,
-            has_saved_state=lambda prefix: any(k.startswith(prefix) for k in saved_keys),
-        )
-        planner = get_planner(framework, flat, comm)
-        mine = Outcome(value=(_wanted(flat), set(flat.kinds), list(flat.accept_prefixes)))
-    except Exception as exc:
-        local_error, mine = exc, Outcome.failure(exc)
-    # The one collective before reading: every rank's keys (and any early failure).
-    everyone = comm.all_gather(mine)
-    raise_failures(everyone, "checkpoint load", local_error)
 
+
+@dataclass
+class _LocalPlan:
+    """What this rank wants from the checkpoint, worked out before any communication."""
+
+    storage: Storage
+    path: str
+    meta: CheckpointMetadata
+    flat: FlatState
+    reads: dict[tuple[int, int], BoxRead]  # by (file index, byte offset) of the saved piece
+    needs: list[Need]
+    problems: list[StateMismatchError]
+
+
+def _needed_range(saved: SavedBox, copies: list[Copy], item: int, verify: bool,
+                  chunk_bytes: int) -> tuple[int, int]:
+    lo, hi = None, 0
+    for c in copies:
+        first, end = element_span(c.region.relative_to(saved.box), saved.box.lengths)
+        lo = first if lo is None else min(lo, first)
+        hi = max(hi, end)
+    start, stop = (lo or 0) * item, hi * item
+    if verify:
+        start, stop = widen_to_chunks(start, stop, saved.bytes.byte_length, chunk_bytes)
+    return start, stop
+
+
+def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Communicator,
+                verify: bool, fqn_map: Callable[[str], str] | None) -> _LocalPlan:
+    with span("load.metadata"):
+        storage, path = resolve(url)
+        meta = read_metadata(storage, path)
+    saved_keys = {tm.key for tm in meta.tensors} | {o.key for o in meta.objects}
+    flat = flatten_state(
+        state, for_load=True, fqn_map=fqn_map,
+        has_saved_state=lambda prefix: any(k.startswith(prefix) for k in saved_keys),
+    )
+    planner = get_planner(framework, flat, comm)
+    file_index = {f.name: i for i, f in enumerate(meta.files)}
+    problems: list[StateMismatchError] = []
+    reads: dict[tuple[int, int], BoxRead] = {}
     with span("load.plan"):
-        missing, unexpected = _match_keys(meta, flat, [o.value for o in everyone])
-        if strict and (missing or unexpected):
-            parts = []
-            if missing:
-                parts.append(f"missing from the checkpoint: {_listing(missing)}")
-            if unexpected:
-                parts.append(f"in the checkpoint but not in the state: {_listing(unexpected)}")
-            raise MissingKeysError(
-                f"{storage.url(path)}: state and checkpoint keys differ; " + "; ".join(parts)
-                + ". Pass strict=False to load the keys they share", missing, unexpected,
-            )
-        problems: list[StateMismatchError] = []
-        reads: dict[SavedBox, list[_Copy]] = defaultdict(list)
         for key, tensor in flat.tensors.items():
             tm = meta.tensor(key)
             if tm is None:
@@ -248,32 +186,21 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
             except StateMismatchError as exc:
                 problems.append(exc)
                 continue
+            dtype = dtype_from_name(tm.dtype)
             targets = planner.pieces(key, tensor)
             for saved in meta.boxes_of(key):
+                copies = []
                 for target in targets:
                     region = saved.box.intersect(target.box)
                     if region is not None and not region.is_empty():
-                        reads[saved].append(_Copy(region, target))
-        if problems:
-            if len(problems) == 1:
-                raise problems[0]
-            raise type(problems[0])("; ".join(str(p) for p in problems[:_MAX_LISTED]))
-        check_file_sizes(storage, path, meta, {s.bytes.file for s in reads}
-                         | {o.bytes.file for o in meta.objects})
-    phases["plan"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    # Per file, in byte order: sequential-ish reads, spread over a few threads.
-    ordered = sorted(reads.items(), key=lambda kv: (kv[0].bytes.file, kv[0].bytes.byte_offset))
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        sizes = list(pool.map(lambda kv: _read_box(storage, path, meta, kv[0], kv[1], verify), ordered))
-    bytes_read = sum(sizes)
-    phases["read"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    with span("load.apply"):
-        shared: dict[str, Any] = {}
-        ranked: dict[str, Any] = {}
+                        copies.append(Copy(region, target))
+                if not copies:
+                    continue
+                lo, hi = _needed_range(saved, copies, dtype.itemsize, verify, meta.chunk_bytes)
+                read = BoxRead(key, saved.bytes.file, saved.bytes.byte_offset, saved.bytes.byte_length,
+                               lo, hi, saved.bytes.checksums, dtype, saved.box, copies)
+                read.direct = direct_target(read)
+                reads[(file_index[saved.bytes.file], saved.bytes.byte_offset)] = read
         # Per-rank objects come from the same rank when the world is unchanged, else from
         # rank 0 (replicated values such as counters stay right; see README).
         source_rank = comm.rank if meta.world_size == comm.world_size else 0
@@ -281,21 +208,116 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
             _check_splittable(meta, flat, comm.world_size)
         for obj in meta.objects:
             if obj.rank is None:
-                wanted = obj.key in flat.shared_objects or _accepted(flat, obj.key)
+                wanted = obj.key in flat.shared_objects or _accepted(flat.accept_prefixes, obj.key)
             else:
-                wanted = obj.key in flat.rank_objects
-            if not wanted or (obj.rank is not None and obj.rank != source_rank):
+                wanted = obj.key in flat.rank_objects and obj.rank == source_rank
+            if wanted:
+                b = obj.bytes
+                reads[(file_index[b.file], b.byte_offset)] = BoxRead(
+                    obj.key, b.file, b.byte_offset, b.byte_length, 0, b.byte_length, b.checksums)
+        check_file_sizes(storage, path, meta, {r.file for r in reads.values()})
+    needs = [Need(f, r.byte_offset, r.byte_length, r.lo, r.hi) for (f, _), r in reads.items()]
+    return _LocalPlan(storage, path, meta, flat, reads, needs, problems)
+
+
+def _exchange_group(comm: Communicator, process_group: Any,
+                    reads: dict[tuple[int, int], BoxRead]) -> tuple[Any, torch.device]:
+    """Host buffers over the gloo control group, or device buffers over NCCL when the
+    targets are on CUDA and the training group is NCCL."""
+    cuda = next((c.target.data.device for r in reads.values() for c in r.copies
+                 if c.target.data.is_cuda), None)
+    if cuda is not None and comm.distributed and dist.get_backend(process_group) == "nccl":
+        return process_group, cuda
+    return comm.group, torch.device("cpu")
+
+
+def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Communicator
+                ) -> tuple[list[str], list[str]]:
+    """Missing and unexpected keys; under ``strict`` every rank raises if any rank has some."""
+    meta, flat = plan.meta, plan.flat
+    saved = {t.key for t in meta.tensors} | {o.key for o in meta.objects}
+    wanted_anywhere = set().union(*(v["wanted"] for v in everyone))
+    groups = set().union(*(v["groups"] for v in everyone))
+    prefixes = [p for v in everyone for p in v["prefixes"]]
+    missing = sorted(_wanted(flat) - saved)
+    unexpected = sorted(k for k in saved - wanted_anywhere
+                        if k.split("/", 1)[0] in groups and not _accepted(prefixes, k))
+    if not strict:
+        return missing, unexpected
+    url = plan.storage.url(plan.path)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_listing(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state: {_listing(unexpected)}")
+        raise MissingKeysError(
+            f"{url}: state and checkpoint keys differ; " + "; ".join(parts)
+            + ". Pass strict=False to load the keys they share", missing, unexpected,
+        )
+    others = {r: sorted(v["wanted"] - saved) for r, v in enumerate(everyone) if v["wanted"] - saved}
+    if others:
+        raise RankFailedError(
+            f"checkpoint load failed: keys missing from {url} on rank(s) {sorted(others)}: "
+            + "; ".join(f"rank {r}: {_listing(k)}" for r, k in sorted(others.items())),
+            {r: "missing keys" for r in others},
+        )
+    return missing, unexpected
+
+
+def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: bool,
+                comm: Communicator, verify: bool, threads: int, phases: dict[str, float],
+                fqn_map: Callable[[str], str] | None, process_group: Any) -> LoadResult:
+    t = time.perf_counter()
+    local_error: BaseException | None = None
+    try:
+        plan = _plan_local(url, state, framework, comm, verify, fqn_map)
+        mine = Outcome(value={"wanted": _wanted(plan.flat), "groups": set(plan.flat.kinds),
+                              "prefixes": plan.flat.accept_prefixes, "needs": plan.needs,
+                              "problems": bool(plan.problems)})
+    except Exception as exc:
+        local_error, mine = exc, Outcome.failure(exc)
+    # The one collective before reading: every rank's keys and byte ranges (or its failure).
+    everyone = comm.all_gather(mine)
+    raise_failures(everyone, "checkpoint load", local_error)
+    values = [o.value for o in everyone]
+    missing, unexpected = _check_keys(plan, values, strict, comm)
+    if plan.problems:
+        if len(plan.problems) == 1:
+            raise plan.problems[0]
+        raise type(plan.problems[0])("; ".join(str(p) for p in plan.problems[:_MAX_LISTED]))
+    failed = [r for r, v in enumerate(values) if v["problems"]]
+    if failed:
+        raise RankFailedError(f"checkpoint load failed: shape or dtype mismatch on rank(s) {failed}",
+                              {r: "shape or dtype mismatch" for r in failed})
+    units = plan_reads([v["needs"] for v in values])
+    phases["plan"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    group, device = _exchange_group(comm, process_group, plan.reads)
+    file_index = {f.name: i for i, f in enumerate(plan.meta.files)}
+    pipeline = LoadPipeline(
+        plan.storage, plan.path, units, plan.reads,
+        rank=comm.rank, group=group, global_rank=lambda r: comm.global_ranks[r], threads=threads,
+        verify=verify, chunk_bytes=plan.meta.chunk_bytes, device=device,
+    )
+    outcome = pipeline.run()
+    phases["read"] = time.perf_counter() - t
+    if outcome.error is not None:
+        raise outcome.error
+
+    t = time.perf_counter()
+    with span("load.apply"):
+        shared: dict[str, Any] = {}
+        ranked: dict[str, Any] = {}
+        for obj in plan.meta.objects:
+            read = plan.reads.get((file_index[obj.bytes.file], obj.bytes.byte_offset))
+            if read is None:
                 continue
-            full = posixpath.join(path, obj.bytes.file)
-            data = storage.read(full, obj.bytes.byte_offset, obj.bytes.byte_length)
-            bytes_read += len(data)
-            if verify and bad_chunks(memoryview(data), 0, list(obj.bytes.checksums), meta.chunk_bytes):
-                raise CorruptCheckpointError(
-                    f"{storage.url(full)}: checksum mismatch in stored object {obj.key!r}; the "
-                    "file is corrupt"
-                )
-            (shared if obj.rank is None else ranked)[obj.key] = codec.decode(bytes(data))
-        for apply in flat.appliers:
+            data = read.buffer.cpu().numpy().tobytes() if read.buffer is not None else b""
+            (shared if obj.rank is None else ranked)[obj.key] = codec.decode(data)
+        for apply in plan.flat.appliers:
             apply(shared, ranked)
     phases["apply"] = time.perf_counter() - t
-    return LoadResult(storage.url(path), meta.step, meta.framework, missing, unexpected, bytes_read)
+    return LoadResult(plan.storage.url(plan.path), plan.meta.step, plan.meta.framework, missing,
+                      unexpected, outcome.bytes_read)

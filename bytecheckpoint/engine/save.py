@@ -1,22 +1,33 @@
 """The save workflow, run by every rank.
 
-  1. local plan      flatten the state, ask the planner for this rank's boxes
-  2. global plan     coordinator: dedup, balance, validate; create the staging directory
-  3. write           every rank writes its storage files (checksums computed as it writes)
-  4. commit          coordinator: metadata last, rename into place, move ``latest``
-Each step ends in a collective that carries values or errors, so every rank returns the
-same result or raises.
+  1. collect         flatten the state, ask the planner for this rank's boxes (local plan)
+  2. plan            hash the structure; cache hit: reuse the assignment (no communication,
+                     no planning work). Otherwise gather
+                     local plans; the coordinator dedups, balances, validates, and scatters
+                     each rank's assignment and the staging directory
+  3. stage           async saves and device tensors: copy the assigned boxes into the host
+                     arena (``staging``); a synchronous save of CPU tensors writes in place
+  4. write           every rank writes its storage files (checksums computed as it writes)
+  5. commit          coordinator: metadata last, rename into place, move ``latest``
+Steps 4-5 run on a background thread for ``async_save=True``; ``save`` returns after 3.
+Every collective carries values or errors, so every rank returns the same result or raises,
+and all of them run on a gloo group reserved for saves (``comm._save_group``).
+
+The first collective of a save is always a gather to the coordinator: a local plan from a
+rank that must plan, or "written under cached plan P, save n" from one whose plan cache hit
+(see ``plan_cache``). The coordinator's answer decides what every rank does next: write its
+assignment, done (committed), or plan again.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 
@@ -25,26 +36,29 @@ from telemetry import set_context, span
 from .. import codec, errors
 from ..checksums import DEFAULT_CHUNK_BYTES
 from ..comm import Communicator, Outcome, summarize_failures
-from ..dtypes import dtype_name, safetensors_code
-from ..errors import RankFailedError
-from ..integrity import abandon, begin_save, commit, split_checkpoint_path, update_latest
-from ..metadata import (
-    METADATA_FILE,
-    BoxTable,
-    ByteMeta,
-    CheckpointMetadata,
-    FileMeta,
-    ObjectMeta,
-    TensorMeta,
+from ..dtypes import dtype_name
+from ..errors import CheckpointExistsError, PlanningError, RankFailedError
+from ..integrity import (
+    abandon,
+    begin_save,
+    commit,
+    split_checkpoint_path,
+    staging_path,
+    stale_staging_dirs,
+    update_latest,
 )
+from ..metadata import METADATA_FILE
 from ..planners import LocalShard, get_planner
-from ..planning import GlobalSavePlan, LocalSavePlan, WriteItem, plan_save
+from ..planning import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
 from ..sharding import Box
-from ..state import KIND_EXTRA, FlatState, flatten_state
-from ..storage import Storage, open_storage
-from .files import Piece, write_file
-
-_KIND_ORDER = ("model", "optim", "extra")
+from ..state import FlatState, flatten_state
+from ..storage import CommitMode, Storage, open_storage
+from . import plan_cache
+from .async_save import SaveHandle, set_pending, wait_pending
+from .plan_cache import CacheEntry, structure_key
+from .save_metadata import RankWrite, build_metadata, metadata_template
+from .staging import Stager
+from .writer import tensor_bytes, write_rank
 
 
 @dataclass
@@ -60,6 +74,7 @@ class SaveResult:
     files: int
     duration_s: float
     phases: dict[str, float] = field(default_factory=dict)  # seconds on this rank
+    cached_plan: bool = False  # the plan cache served this save (no planning messages)
 
 
 @dataclass(frozen=True)
@@ -68,139 +83,131 @@ class _Assignment:
     save_id: str
     items: list[WriteItem]
     shared_keys: list[str]
+    plan_id: str = ""  # the save that made the plan (the cache's key for "same plan")
 
 
-@dataclass(frozen=True)
-class _RankWrite:
-    files: list[FileMeta]
-    boxes: list[tuple[str, Box, ByteMeta]]
-    objects: list[ObjectMeta]
+@dataclass
+class _Job:
+    """One save on this rank: settings, what was collected, and what the plan decided."""
+
+    url: str
+    storage: Storage
+    path: str
+    comm: Communicator
+    step: int | None
+    user_metadata: dict[str, Any]
+    overwrite: bool
+    chunk_bytes: int
+    async_save: bool
+    t0: float
+    phases: dict[str, float] = field(default_factory=dict)
+    flat: FlatState | None = None
+    framework: str = ""
+    layout: dict[str, Any] = field(default_factory=dict)
+    shards: dict[str, list[LocalShard]] = field(default_factory=dict)
+    local: LocalSavePlan | None = None
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    key: str = ""
+    global_plan: GlobalSavePlan | None = None  # coordinator, after planning
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
-
-
-def _entry_name(item: WriteItem) -> str:
-    return f"{item.key}@{','.join(map(str, item.box.offsets))}"
-
-
-def _source_of(item: WriteItem, shards: list[LocalShard]):
+def _source_view(item: WriteItem, shards: list[LocalShard]) -> torch.Tensor:
     """The view of this rank's data that holds ``item.box`` (a piece of a held box)."""
     for shard in shards:
         if shard.box.intersect(item.box) == item.box:
-            view = shard.data[item.box.relative_to(shard.box).slices()]
-            return lambda: _tensor_bytes(view)
+            return shard.data[item.box.relative_to(shard.box).slices()]
     raise RuntimeError(f"{item.key}: this rank holds no box containing {item.box}")
 
 
-def _local_plan(
-    state: Any, framework: str | None, comm: Communicator, fqn_map: Callable[[str], str] | None
-) -> tuple[FlatState, str, dict[str, list[LocalShard]], LocalSavePlan, dict[str, bytes], dict[str, Any]]:
+def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[str], str] | None) -> None:
+    comm = job.comm
     flat = flatten_state(state, fqn_map=fqn_map)
     planner = get_planner(framework, flat, comm)
-    shards: dict[str, list[LocalShard]] = {}
     items: list[WriteItem] = []
     for key, tensor in flat.tensors.items():
         local = planner.pieces(key, tensor)
-        shards[key] = local
+        job.shards[key] = local
         dtype = dtype_name(tensor.dtype)
         shape = planner.global_shape(tensor)
         items.extend(WriteItem(key, dtype, shape, s.box) for s in local)
         if not local:  # a rank may hold nothing of a tensor; still announce its shape
             items.append(WriteItem(key, dtype, shape, Box((0,) * len(shape), (0,) * len(shape))))
     blobs = {f"shared:{k}": codec.encode(v) for k, v in flat.shared_objects.items()}
-    shared = {k: (len(b), xxhash.xxh3_64_intdigest(b)) for k, b in blobs.items()}
+    shared = {k[len("shared:") :]: (len(b), xxhash.xxh3_64_intdigest(b)) for k, b in blobs.items()}
     blobs.update({f"rank:{k}": codec.encode(v) for k, v in flat.rank_objects.items()})
     own_bytes = sum(len(b) for k, b in blobs.items() if k.startswith("rank:"))
-    plan = LocalSavePlan(comm.rank, items, own_bytes,
-                         {k[len("shared:") :]: v for k, v in shared.items()})
-    return flat, planner.name, shards, plan, blobs, planner.layout(flat, comm)
+    job.flat, job.framework, job.blobs = flat, planner.name, blobs
+    job.layout = planner.layout(flat, comm)
+    job.local = LocalSavePlan(comm.rank, items, own_bytes, shared)
 
 
-def _write_rank(
-    storage: Storage, assignment: _Assignment, flat: FlatState, shards: dict[str, list[LocalShard]],
-    blobs: dict[str, bytes], rank: int, chunk_bytes: int,
-) -> _RankWrite:
-    by_kind: dict[str, list[tuple[WriteItem | None, Piece]]] = {k: [] for k in _KIND_ORDER}
-    for item in assignment.items:
-        piece = Piece(_entry_name(item), safetensors_code(item.dtype), item.box.lengths,
-                      item.nbytes, _source_of(item, shards[item.key]))
-        by_kind[flat.kind_of(item.key)].append((item, piece))
-    mine = {f"shared:{k}" for k in assignment.shared_keys}
-    for name, blob in blobs.items():
-        if name.startswith("shared:") and name not in mine:
-            continue  # another holder of this object writes it
-        piece = Piece(f"__object__/{name}", "U8", (len(blob),), len(blob),
-                      lambda b=blob: memoryview(b))
-        by_kind[KIND_EXTRA].append((None, piece))
-
-    files, boxes, objects = [], [], []
-    for kind in _KIND_ORDER:
-        entries = by_kind[kind]
-        if not entries:
-            continue
-        fname = f"{kind}-{rank:05d}.safetensors"
-        with span("save.write", path=fname, kind=kind) as sp:
-            size, written = write_file(
-                storage, storage.join(assignment.staging, fname), [p for _, p in entries],
-                chunk_bytes, {"format": "bytecheckpoint", "rank": str(rank), "kind": kind},
-            )
-            sp.set(bytes=size)
-        files.append(FileMeta(fname, size, rank, kind))
-        for (item, piece), w in zip(entries, written):
-            bm = ByteMeta(fname, w.byte_offset, w.byte_length, w.checksums)
-            if item is not None:
-                boxes.append((item.key, item.box, bm))
-            else:
-                scope, key = piece.name[len("__object__/") :].split(":", 1)
-                objects.append(ObjectMeta(key, None if scope == "shared" else rank, bm))
-    return _RankWrite(files, boxes, objects)
-
-
-def build_metadata(
-    plan: GlobalSavePlan, writes: list[_RankWrite], *, framework: str, world_size: int,
-    layout: dict[str, Any], step: int | None, user_metadata: dict[str, Any], chunk_bytes: int,
-) -> CheckpointMetadata:
-    keys = sorted(plan.tensors)
-    index = {k: i for i, k in enumerate(keys)}
-    tensors = [TensorMeta(k, plan.tensors[k][0], tuple(plan.tensors[k][1])) for k in keys]
-    files = [f for w in writes for f in w.files]
-    file_index = {f.name: i for i, f in enumerate(files)}
-    rows = sorted(((index[k], box, bm) for w in writes for k, box, bm in w.boxes),
-                  key=lambda r: (r[0], r[1]))
-    offsets = [o for _, box, _ in rows for o in box.offsets]
-    lengths = [n for _, box, _ in rows for n in box.lengths]
-    nd = np.array([box.ndim for _, box, _ in rows], dtype=np.int64)
-    n_chunks = np.array([len(bm.checksums) for _, _, bm in rows], dtype=np.int64)
-    table = BoxTable(
-        tensor=np.array([r[0] for r in rows], dtype=np.int32),
-        offsets=np.array(offsets, dtype=np.int64),
-        lengths=np.array(lengths, dtype=np.int64),
-        dim_start=np.concatenate([[0], np.cumsum(nd)[:-1]]).astype(np.int64) if rows else nd,
-        file=np.array([file_index[bm.file] for _, _, bm in rows], dtype=np.int32),
-        byte_offset=np.array([bm.byte_offset for _, _, bm in rows], dtype=np.int64),
-        byte_length=np.array([bm.byte_length for _, _, bm in rows], dtype=np.int64),
-        checksum_start=np.concatenate([[0], np.cumsum(n_chunks)[:-1]]).astype(np.int64)
-        if rows else n_chunks,
-        checksums=np.array([c for _, _, bm in rows for c in bm.checksums], dtype=np.uint64),
-    )
-    return CheckpointMetadata(
-        framework=framework, world_size=world_size, tensors=tensors, boxes=table,
-        objects=[o for w in writes for o in w.objects], files=files, chunk_bytes=chunk_bytes,
-        layout=layout, step=step, user_metadata=user_metadata, created_at=time.time(),
-    )
+# -- the coordinator's side of the first round -----------------------------------------------
 
 
 def _coordinator_failure(exc: BaseException) -> Outcome:
     err = Outcome.failure(exc)
     return Outcome(value={0: err.error}, error=str(exc), error_type=type(exc).__name__)
+
+
+def _plan_globally(job: _Job, plans: list[LocalSavePlan]) -> list[Outcome]:
+    job.global_plan = plan_save(plans)
+    save_id = uuid.uuid4().hex[:12]
+    # Checks the target, clears a crashed save's leftovers, and (on object stores) writes the
+    # in-progress marker that keeps a half-written checkpoint from ever looking committed.
+    staging = begin_save(job.storage, job.path, job.overwrite, save_id)
+    return [Outcome(value=("assign", _Assignment(staging, save_id, items, shared, save_id)))
+            for items, shared in zip(job.global_plan.assignments, job.global_plan.shared_assignments)]
+
+
+def _commit(job: _Job, staging: str, save_id: str, writes: list[RankWrite], template: Any) -> tuple:
+    meta = build_metadata(
+        template, writes, framework=job.framework, world_size=job.comm.world_size, layout=job.layout,
+        step=job.step, user_metadata=job.user_metadata, chunk_bytes=job.chunk_bytes,
+    )
+    raw = meta.to_bytes()
+    storage = job.storage
+    storage.write_bytes(storage.join(staging, METADATA_FILE), raw)
+    commit(storage, staging, job.path, job.overwrite, save_id)
+    update_latest(storage, job.path, job.step, save_id)
+    return meta.total_bytes, len(raw), len(meta.files)
+
+
+def _decide(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
+    """The coordinator's answer to the first round, one outcome per rank."""
+    world = job.comm.world_size
+    written = [o.value for o in gathered if o.error is None and o.value[0] == "written"]
+    try:
+        failed = summarize_failures(gathered)
+        if failed is not None:
+            for v in written:
+                job.storage.delete(v[3])
+            return [failed] * world
+        kinds = {o.value[0] for o in gathered}
+        if kinds == {"plan"}:
+            return _plan_globally(job, [o.value[1] for o in gathered])
+        entry = plan_cache.get(job.comm.global_ranks)
+        ids = {(v[1], v[2]) for v in written}
+        if kinds == {"written"} and entry is not None and ids == {(entry.plan_id, entry.save_id())}:
+            staging = written[0][3]
+            check_shared_objects([v[5] for v in written])
+            result = _commit(job, staging, entry.save_id(), [v[4] for v in written], entry.template)
+            for stale in stale_staging_dirs(job.storage, job.path):
+                job.storage.delete(stale)  # a crashed save's leftovers (ours was renamed away)
+            return [Outcome(value=("committed", result))] * world
+        # Some ranks' caches hit and others' did not: the structure changed on some ranks.
+        for v in written:
+            job.storage.delete(v[3])
+        if any(o.value[-1] for o in gathered):  # async: the staged copies follow the old plan
+            raise PlanningError(
+                "the state structure changed on some ranks but not on others since the last "
+                "save, so the cached save plan no longer fits and this async save was not "
+                "committed; save again (the next save plans from scratch)"
+            )
+        return [Outcome(value=("replan", None))] * world
+    except Exception as exc:
+        for v in written:
+            job.storage.delete(v[3])
+        return [_coordinator_failure(exc)] * world
 
 
 def _raise_if_failed(outcome: Outcome, local_error: BaseException | None, what: str) -> None:
@@ -219,6 +226,153 @@ def _raise_if_failed(outcome: Outcome, local_error: BaseException | None, what: 
     raise RankFailedError(f"{what} {outcome.error}", failures)
 
 
+def _first_round(job: _Job, mine: Outcome, local_error: BaseException | None) -> tuple:
+    comm = job.comm
+    gathered = comm.gather(mine)
+    per_rank = _decide(job, gathered) if comm.is_coordinator else None
+    received = comm.scatter(per_rank)
+    _raise_if_failed(received, local_error, "checkpoint save")
+    return received.value
+
+
+def _plan_outcome(job: _Job) -> Outcome:
+    return Outcome(value=("plan", job.local, job.async_save))
+
+
+def _plan(job: _Job, local_error: BaseException | None) -> _Assignment:
+    """Plan without the cache (every rank does, in the same round)."""
+    mine = Outcome.failure(local_error) if local_error is not None else _plan_outcome(job)
+    decision = _first_round(job, mine, local_error)
+    while decision[0] == "replan":
+        decision = _first_round(job, _plan_outcome(job), None)
+    return decision[1]
+
+
+# -- writing and committing ----------------------------------------------------------------
+
+
+class _Sources:
+    """The bytes of a rank's assigned boxes: staged copies, or live tensor views."""
+
+    def __init__(self, job: _Job, assignment: _Assignment, stage: bool) -> None:
+        views = [_source_view(item, job.shards[item.key]) for item in assignment.items]
+        self.stager = Stager(views) if stage or any(v.is_cuda for v in views) else None
+        if self.stager is not None:
+            self.fns = [p.bytes for p in self.stager.pieces]
+        else:
+            self.fns = [lambda v=v: tensor_bytes(v) for v in views]
+
+    def stage_in_background(self) -> threading.Thread | None:
+        """Copy while the writer writes what has landed (synchronous saves of device tensors)."""
+        if self.stager is None:
+            return None
+        stager = self.stager
+
+        def run() -> None:
+            try:
+                stager.run()
+            except BaseException:
+                stager.fail()
+                raise
+
+        thread = threading.Thread(target=run, name="bcp-stage", daemon=True)
+        thread.start()
+        return thread
+
+
+def _write(job: _Job, assignment: _Assignment, sources: _Sources, makedirs: bool
+           ) -> tuple[RankWrite | None, BaseException | None]:
+    t = time.perf_counter()
+    try:
+        storage = job.storage
+        if makedirs:  # a cached plan: no coordinator created the directory this time
+            if storage.exists(job.path) and not job.overwrite:
+                raise CheckpointExistsError(
+                    f"{storage.url(job.path)} already holds a checkpoint; choose a new path or "
+                    "pass overwrite=True"
+                )
+            storage.makedirs(assignment.staging)
+        mine = {f"shared:{k}" for k in assignment.shared_keys}
+        objects = {n: b for n, b in job.blobs.items() if n.startswith("rank:") or n in mine}
+        assert job.flat is not None
+        written = write_rank(storage, assignment.staging, assignment.items, sources.fns, job.flat,
+                             objects, job.comm.rank, job.chunk_bytes)
+        return written, None
+    except Exception as exc:
+        return None, exc
+    finally:
+        job.phases["write"] = job.phases.get("write", 0.0) + time.perf_counter() - t
+
+
+def _commit_round(job: _Job, assignment: _Assignment, written: RankWrite | None,
+                  local_error: BaseException | None) -> tuple:
+    comm = job.comm
+    t = time.perf_counter()
+    mine = Outcome.failure(local_error) if local_error is not None else Outcome(value=written)
+    gathered = comm.gather(mine)
+    with span("save.commit"):
+        result: Outcome | None = None
+        template = None
+        if comm.is_coordinator:
+            assert gathered is not None and job.global_plan is not None
+            result = summarize_failures(gathered)
+            if result is None:
+                try:
+                    writes = [o.value for o in gathered]
+                    template = metadata_template(job.global_plan, writes)
+                    result = Outcome(value=_commit(job, assignment.staging, assignment.save_id, writes,
+                                                   template))
+                except Exception as exc:
+                    local_error, result = exc, _coordinator_failure(exc)
+            if result.error is not None:
+                abandon(job.storage, assignment.staging, job.path, assignment.save_id)
+        final = comm.broadcast(result)
+    job.phases["commit"] = time.perf_counter() - t
+    _raise_if_failed(final, local_error, "checkpoint save")
+    assert job.local is not None
+    plan_cache.put(comm.global_ranks, CacheEntry(
+        job.key, assignment.plan_id, 0, assignment.items, assignment.shared_keys,
+        job.global_plan, template))
+    return final.value
+
+
+def _finish(job: _Job, assignment: _Assignment, hit: bool, sources: _Sources) -> SaveResult:
+    """Steps 4-5 (on the background thread for an async save)."""
+    comm = job.comm
+    try:
+        with span("save.background" if job.async_save else "save.finish", path=job.url, step=job.step):
+            while True:
+                written, error = _write(job, assignment, sources, makedirs=hit)
+                if not hit:
+                    totals = _commit_round(job, assignment, written, error)
+                    break
+                t = time.perf_counter()
+                mine = Outcome.failure(error) if error is not None else Outcome(
+                    value=("written", assignment.plan_id, assignment.save_id, assignment.staging,
+                           written, job.local.shared if job.local else {}, job.async_save))
+                with span("save.commit", cached=True):
+                    decision = _first_round(job, mine, error)
+                job.phases["commit"] = time.perf_counter() - t
+                if decision[0] == "committed":
+                    entry = plan_cache.get(comm.global_ranks)
+                    assert entry is not None
+                    entry.seq += 1
+                    totals = decision[1]
+                    break
+                # "replan" (synchronous saves only): the tensors have not changed meanwhile.
+                hit = False
+                assignment = _plan(job, None)
+                sources = _Sources(job, assignment, stage=False)
+                sources.stage_in_background()
+    except BaseException:
+        plan_cache.drop(comm.global_ranks)
+        raise
+    total_bytes, metadata_bytes, n_files = totals
+    mine_bytes = sum(f.size for f in written.files) if written else 0
+    return SaveResult(job.url, job.step, job.framework, mine_bytes, total_bytes, metadata_bytes, n_files,
+                      time.perf_counter() - job.t0, job.phases, hit)
+
+
 def save(
     url: str,
     state: dict[str, Any],
@@ -230,94 +384,82 @@ def save(
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fqn_map: Callable[[str], str] | None = None,
-) -> SaveResult:
+    async_save: bool = False,
+) -> SaveResult | SaveHandle:
+    wait_pending()  # one save at a time: the arena and the save group are never shared
     t0 = time.perf_counter()
-    comm = Communicator(process_group)
+    comm = Communicator(process_group, dedicated=True)
     storage, path = open_storage(url)
-    phases: dict[str, float] = {}
     if step is not None:
         set_context(step=step)
-    with span("save", path=url, step=step) as total:
-        # 1. local plan -------------------------------------------------------------
-        local_error: BaseException | None = None
+    job = _Job(url, storage, path, comm, step, dict(user_metadata or {}), overwrite, chunk_bytes,
+               async_save, t0)
+    with span("save", path=url, step=step, async_save=async_save) as total:
         t = time.perf_counter()
-        with span("save.plan"):
+        local_error: BaseException | None = None
+        with span("save.collect"):
             try:
                 split_checkpoint_path(path)
-                flat, fw, shards, local, blobs, layout = _local_plan(state, framework, comm, fqn_map)
-                mine = Outcome(value=(local, fw, layout))
+                _collect(job, state, framework, fqn_map)
             except Exception as exc:
-                local_error, mine = exc, Outcome.failure(exc)
-            gathered = comm.gather(mine)
-
-            # 2. global plan (coordinator) ------------------------------------------
-            per_rank: list[Outcome] | None = None
-            global_plan: GlobalSavePlan | None = None
-            if comm.is_coordinator:
-                assert gathered is not None
-                failed = summarize_failures(gathered)
-                if failed is None:
-                    try:
-                        plans = [o.value[0] for o in gathered]
-                        fw, layout = gathered[0].value[1], gathered[0].value[2]
-                        global_plan = plan_save(plans)
-                        save_id = uuid.uuid4().hex[:12]
-                        staging = begin_save(storage, path, overwrite, save_id)
-                        per_rank = [
-                            Outcome(value=_Assignment(staging, save_id, items, shared_keys))
-                            for items, shared_keys in zip(global_plan.assignments,
-                                                          global_plan.shared_assignments)
-                        ]
-                    except Exception as exc:
-                        local_error, failed = exc, _coordinator_failure(exc)
-                if failed is not None:
-                    per_rank = [failed] * comm.world_size
-            received = comm.scatter(per_rank)
-            _raise_if_failed(received, local_error, "checkpoint planning")
-            assignment: _Assignment = received.value
-        phases["plan"] = time.perf_counter() - t
-
-        # 3. write ---------------------------------------------------------------------
+                local_error = exc
+        job.phases["collect"] = time.perf_counter() - t
         t = time.perf_counter()
+        with span("save.plan") as plan_span:
+            if local_error is None:
+                job.key = structure_key(job.local, framework=job.framework, layout=job.layout,
+                                        kinds=job.flat.kinds, global_ranks=comm.global_ranks,
+                                        chunk_bytes=chunk_bytes)
+            entry = plan_cache.get(comm.global_ranks)
+            # Cached plans write before any coordinator step, so they need a store with an
+            # atomic rename; object stores (metadata-last commit) plan every save.
+            hit = (local_error is None and entry is not None and entry.key == job.key
+                   and storage.commit_mode is CommitMode.RENAME)
+            plan_span.set(cached=hit)
+            if hit:
+                assert entry is not None
+                save_id = entry.save_id()
+                assignment = _Assignment(staging_path(path, save_id), save_id, entry.items,
+                                         entry.shared_keys, entry.plan_id)
+            else:
+                plan_cache.drop(comm.global_ranks)
+                assignment = _plan(job, local_error)
+        job.phases["plan"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        sources = _Sources(job, assignment, stage=async_save)
+        if not async_save:
+            sources.stage_in_background()
+            result = _finish(job, assignment, hit, sources)
+            total.set(bytes=result.bytes_written, framework=job.framework, cached_plan=hit)
+            return result
+
+        handle = SaveHandle(url, step)
+        stager = sources.stager
+        assert stager is not None
+        # A D2H copy is DMA: the writer may start on the first pieces while the rest are
+        # copied. On CPU the copy and the writer would compete for the same cores while
+        # training waits, so the writer starts once the snapshot is complete.
+        overlap = stager.cuda
+        if overlap:
+            handle._start(lambda: _finish(job, assignment, hit, sources))
+        stage_error: BaseException | None = None
         try:
-            written = _write_rank(storage, assignment, flat, shards, blobs, comm.rank, chunk_bytes)
-            mine = Outcome(value=written)
-        except Exception as exc:
-            local_error, mine = exc, Outcome.failure(exc)
-        gathered = comm.gather(mine)
-        phases["write"] = time.perf_counter() - t
-
-        # 4. commit (coordinator) ----------------------------------------------------------
-        t = time.perf_counter()
-        with span("save.commit"):
-            result: Outcome | None = None
-            if comm.is_coordinator:
-                assert gathered is not None and global_plan is not None
-                result = summarize_failures(gathered)
-                if result is None:
-                    try:
-                        meta = build_metadata(
-                            global_plan, [o.value for o in gathered], framework=fw,
-                            world_size=comm.world_size, layout=layout, step=step,
-                            user_metadata=dict(user_metadata or {}), chunk_bytes=chunk_bytes,
-                        )
-                        raw = meta.to_bytes()
-                        storage.write_bytes(storage.join(assignment.staging, METADATA_FILE), raw)
-                        commit(storage, assignment.staging, path, overwrite, assignment.save_id)
-                        update_latest(storage, path, step, assignment.save_id)
-                        result = Outcome(value=(meta.total_bytes, len(raw), len(meta.files)))
-                    except Exception as exc:
-                        local_error, result = exc, _coordinator_failure(exc)
-                if result.error is not None:
-                    abandon(storage, assignment.staging, path, assignment.save_id)
-            final = comm.broadcast(result)
-        phases["commit"] = time.perf_counter() - t
-        _raise_if_failed(final, local_error, "checkpoint save")
-        total_bytes, metadata_bytes, n_files = final.value
-        mine_bytes = sum(f.size for f in written.files)
-        total.set(bytes=mine_bytes, framework=fw)
-    return SaveResult(url, step, fw, mine_bytes, total_bytes, metadata_bytes, n_files,
-                      time.perf_counter() - t0, phases)
+            stager.run()  # the snapshot
+        except BaseException as exc:
+            stage_error = exc
+            stager.fail()
+        job.phases["stage"] = time.perf_counter() - t
+        if not overlap:
+            handle._start(lambda: _finish(job, assignment, hit, sources))
+        set_pending(handle)
+        handle.blocking_s = time.perf_counter() - t0
+        total.set(framework=job.framework, cached_plan=hit, blocking_s=handle.blocking_s)
+    if stage_error is not None:
+        # The background still reports the failure to the other ranks; then raise here.
+        exc = handle.exception()
+        raise stage_error from exc
+    return handle
 
 
-__all__ = ["SaveResult", "save", "build_metadata"]
+__all__ = ["SaveHandle", "SaveResult", "save"]

@@ -1,0 +1,105 @@
+"""The handle of an async save, the one save that may be in flight, and shutdown.
+
+At most one save runs in the background per process: a new save (or a load) first waits
+for it, so the staging arena and the save process group are never shared. At interpreter
+exit a pending save is finished, and a failure nobody looked at is printed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+
+class SaveHandle:
+    """A save running in the background. Training may change the saved tensors as soon as
+    ``save(..., async_save=True)`` has returned this."""
+
+    def __init__(self, path: str, step: int | None) -> None:
+        self.path = path
+        self.step = step
+        self.blocking_s = 0.0  # how long save() held the caller
+        self._future: Future = Future()
+        self._observed = False
+        self._thread: threading.Thread | None = None
+
+    def _start(self, work: Callable[[], Any]) -> None:
+        def run() -> None:
+            try:
+                self._future.set_result(work())
+            except BaseException as exc:  # reported through the handle
+                self._future.set_exception(exc)
+
+        self._thread = threading.Thread(target=run, name=f"bcp-save-{self.path}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """True when the save has committed or failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the save is committed and return its ``SaveResult``; raise its error.
+
+        Raises ``TimeoutError`` if it is still running after ``timeout`` seconds."""
+        self._observed = True
+        return self._future.result(timeout)
+
+    result = wait
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error, or None once it has committed (waits like ``wait``)."""
+        self._observed = True
+        return self._future.exception(timeout)
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")
+        return f"SaveHandle({self.path!r}, step={self.step}, {state})"
+
+
+_PENDING: SaveHandle | None = None
+_LOCK = threading.Lock()
+
+
+def set_pending(handle: SaveHandle) -> None:
+    global _PENDING
+    with _LOCK:
+        _PENDING = handle
+
+
+def wait_pending() -> None:
+    """Wait for the save in flight, if any. A failure nobody has looked at becomes a warning
+    here (the handle still holds it); it does not stop the next save."""
+    global _PENDING
+    with _LOCK:
+        handle, _PENDING = _PENDING, None
+    if handle is None:
+        return
+    exc = handle._future.exception()
+    if exc is not None and not handle._observed:
+        handle._observed = True
+        warnings.warn(f"the async save to {handle.path} (step {handle.step}) failed: {exc}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _at_exit() -> None:
+    with _LOCK:
+        handle = _PENDING
+    if handle is None:
+        return
+    if not handle.done():
+        print(f"bytecheckpoint: waiting for the async save to {handle.path} to finish",
+              file=sys.stderr)
+    exc = handle._future.exception()
+    if handle._thread is not None:
+        handle._thread.join()  # let it unwind before the interpreter tears anything down
+    if exc is not None and not handle._observed:
+        print(f"bytecheckpoint: the async save to {handle.path} (step {handle.step}) failed: {exc}",
+              file=sys.stderr)
+
+
+atexit.register(_at_exit)

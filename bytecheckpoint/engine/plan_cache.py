@@ -1,0 +1,79 @@
+"""The plan cache: a repeated save of an unchanged state structure skips global planning.
+
+Each rank keeps, per process group, the structure key of its last successful save (a hash
+of what planning depends on: the ranks, framework, layout, each tensor's key, dtype, global
+shape and the boxes this rank holds, the shared objects' keys, the storage kinds), the
+assignment it received, and an id of that plan. The coordinator also keeps the global plan
+and the metadata template.
+
+A rank whose key matches writes at once, into a staging directory named after the plan id
+and a per-plan save counter that every rank advances in step, so no message is needed to
+agree on it. Ranks do not ask each other whether their caches hit: the first message of a
+save (the gather every save makes) carries either a local plan or "written under plan P,
+save n", and the coordinator commits only when every rank wrote under the same plan and
+save number. Otherwise it has every rank plan again (or, for an async save, fail with a
+clear error), so a structure that changed on some ranks only can never be committed with a
+stale plan.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import xxhash
+
+from ..planning import GlobalSavePlan, LocalSavePlan, WriteItem
+from .save_metadata import MetadataTemplate
+
+
+@dataclass
+class CacheEntry:
+    key: str
+    plan_id: str
+    seq: int  # saves committed under this plan so far, minus one
+    items: list[WriteItem]
+    shared_keys: list[str]
+    plan: GlobalSavePlan | None = None  # coordinator only
+    template: MetadataTemplate | None = None  # coordinator only
+
+    def save_id(self) -> str:
+        """The id of the next save under this plan (the same on every rank)."""
+        return f"{self.plan_id}n{self.seq + 1}"
+
+
+def structure_key(local: LocalSavePlan, *, framework: str, layout: dict, kinds: dict[str, str],
+                  global_ranks: list[int], chunk_bytes: int) -> str:
+    """A hash of everything the global plan depends on, besides sizes of packed objects
+    (they only tilt the balance, never the correctness, of a plan)."""
+    h = xxhash.xxh3_128()
+    h.update(repr((framework, sorted(layout.items()), sorted(kinds.items()), global_ranks, local.rank,
+                   chunk_bytes, sorted(local.shared))).encode())
+    for item in local.items:
+        h.update(repr((item.key, item.dtype, item.shape, item.box.offsets, item.box.lengths)).encode())
+    return h.hexdigest()
+
+
+_CACHE: dict[tuple[int, ...], CacheEntry] = {}
+_LOCK = threading.Lock()
+
+
+def get(group_ranks: list[int]) -> CacheEntry | None:
+    with _LOCK:
+        return _CACHE.get(tuple(group_ranks))
+
+
+def put(group_ranks: list[int], entry: CacheEntry) -> None:
+    with _LOCK:
+        _CACHE[tuple(group_ranks)] = entry
+
+
+def drop(group_ranks: list[int]) -> None:
+    with _LOCK:
+        _CACHE.pop(tuple(group_ranks), None)
+
+
+def clear() -> None:
+    """Forget every cached plan (the next save of each group plans from scratch)."""
+    with _LOCK:
+        _CACHE.clear()
