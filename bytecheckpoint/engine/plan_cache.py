@@ -18,6 +18,7 @@ stale plan.
 
 from __future__ import annotations
 
+import marshal
 import threading
 from dataclasses import dataclass
 
@@ -49,8 +50,9 @@ def structure_key(local: LocalSavePlan, *, framework: str, layout: dict, kinds: 
     h = xxhash.xxh3_128()
     h.update(repr((framework, sorted(layout.items()), sorted(kinds.items()), global_ranks, local.rank,
                    chunk_bytes, sorted(local.shared))).encode())
-    for item in local.items:
-        h.update(repr((item.key, item.dtype, item.shape, item.box.offsets, item.box.lengths)).encode())
+    # marshal: one C-level serialisation of plain tuples (the key never leaves this process)
+    h.update(marshal.dumps([(i.key, i.dtype, i.shape, i.box.offsets, i.box.lengths)
+                            for i in local.items]))
     return h.hexdigest()
 
 
