@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from bytecheckpoint.leases import is_being_read, is_pinned
 from bytecheckpoint.metadata import CheckpointMetadata
 from bytecheckpoint.storage import Storage, open_storage
-from bytecheckpoint.storage.local import LocalStorage
+from bytecheckpoint.storage.local import LocalStorage, fsync_dir
 from telemetry import span
 
 from .catalog import CheckpointInfo, is_cold_link, read_meta
@@ -64,14 +64,6 @@ class MoveResult:
     files: int
     bytes: int
     seconds: float
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _drop_cache(path: str) -> None:
@@ -255,7 +247,7 @@ def _recover_move(hot_root: str, cold_root: str, rec: dict) -> None:
             os.unlink(cold_file)  # copied but never remapped: roll back
     shutil.rmtree(scratch, ignore_errors=True)
     if os.path.isdir(ckpt):
-        _fsync_dir(ckpt)
+        fsync_dir(ckpt)
 
 
 def _recover_delete(cold_root: str, rec: dict) -> None:
@@ -287,7 +279,7 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str, journ
     with span("tiering.delete", checkpoint=ckpt.path, path=ckpt.path, bytes=ckpt.size, step=ckpt.step):
         journal.append(op_id, "delete", "begin", checkpoint=ckpt.path, trash=trash, cold_dir=cold_dir)
         os.rename(ckpt.path, trash)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         delete_tree(trash, cold_root)
         shutil.rmtree(cold_dir, ignore_errors=True)
         journal.append(op_id, "delete", "done")

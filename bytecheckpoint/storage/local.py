@@ -15,7 +15,8 @@ from .base import CommitMode, Storage, Writer
 from .config import TransferSettings, settings
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (a create, rename or unlink in it) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -140,7 +141,7 @@ class LocalStorage(Storage):
                 raise FileExistsError(dst)
             os.rename(src, dst)
         if self.fsync:
-            _fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
+            fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
 
     def delete(self, path: str) -> None:
         path = self._os_path(path)
