@@ -8,6 +8,7 @@ Plain tensors next to DTensors (e.g. Adam's ``step``) are replicated on every ra
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,11 +24,22 @@ if TYPE_CHECKING:
     from ..state import FlatState
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _box_of(shape: tuple[int, ...], mesh: Any, placements: tuple) -> Box:
+    # A pure function of its arguments and this process's place in ``mesh``, which never
+    # changes; cached because torch computes it in Python (about 0.1 ms per tensor, every save).
+    lengths, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in lengths))
+
+
 def dtensor_box(tensor: DTensor) -> Box:
-    shape, offset = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
+    return _box_of(tuple(tensor.shape), tensor.device_mesh, tuple(tensor.placements))
+
+
+def local_tensor(tensor: DTensor) -> torch.Tensor:
+    """The local shard, without ``to_local()``'s autograd node (a save never needs one)."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor.to_local()
 
 
 class DTensorPlanner(Planner):
@@ -45,7 +57,7 @@ class DTensorPlanner(Planner):
         if not isinstance(tensor, DTensor):
             return replicated_full(tensor)
         box = dtensor_box(tensor)
-        local = tensor.to_local()
+        local = local_tensor(tensor)
         if tuple(local.shape) != box.lengths:
             raise UnsupportedStateError(
                 f"{key}: local shard shape {tuple(local.shape)} does not match the box "
