@@ -243,14 +243,19 @@ def _flatten_optimizer(
                         )
                 hparams = dict(first)
             new_groups.append({**hparams, "params": [index[id(p)] for p in live["params"]]})
+        # Index the loaded state by parameter once: scanning every key per parameter is
+        # quadratic, seconds at a few thousand parameters.
+        prefix = f"{key}/state/"
+        by_fqn: dict[str, dict[str, Any]] = {}
+        for k, v in shared.items():
+            if k.startswith(prefix):
+                fqn, _, name = k[len(prefix) :].rpartition("/")
+                by_fqn.setdefault(fqn, {})[name] = v
         state: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(params):
             entries = dict(optimizer.state.get(p, {}))
             for fqn, _ in views[id(p)]:
-                prefix = f"{key}/state/{fqn}/"
-                for k, v in shared.items():
-                    if k.startswith(prefix):
-                        entries[k[len(prefix) :]] = v
+                entries.update(by_fqn.get(fqn, {}))
             if entries:
                 state[i] = entries
         optimizer.load_state_dict({"state": state, "param_groups": new_groups})
