@@ -104,7 +104,7 @@ def test_bad_usage_exits_2(capsys, tmp_path):
 
 # -- ls / inspect ----------------------------------------------------------------------------------
 
-def test_ls_lists_checkpoints_and_a_save_in_progress(capsys, run_root):
+def test_ls_lists_committed_checkpoints_beside_a_save_in_progress(capsys, run_root):
     root, _ = run_root
     storage, path = open_storage(str(root / "step_60"))
     begin_save(storage, path, False, "inflight")  # a save being written: staging dir only
