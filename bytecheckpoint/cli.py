@@ -223,12 +223,20 @@ def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> l
 def _delete_checkpoint(path: str, cold_root: str) -> None:
     """Rename aside first, so the checkpoint stops being one at once, then delete it (and the
     cold copies its links point to)."""
+    from storage_tiering.catalog import is_cold_link
     from storage_tiering.mover import delete_tree
 
     parent, name = os.path.split(path)
+    cold_dirs = {os.path.dirname(os.readlink(os.path.join(path, n))) for n in os.listdir(path)
+                 if is_cold_link(os.path.join(path, n), cold_root)}
     trash = os.path.join(parent, f".{name}.deleting-{uuid.uuid4().hex[:12]}")
     os.rename(path, trash)
     delete_tree(trash, cold_root)
+    for d in cold_dirs:  # the cold copy's directory, now empty
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass  # not empty: something else lives there; leave it
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import bytecheckpoint as bcp
 from bytecheckpoint import cli
 from bytecheckpoint import export as bexport
 from bytecheckpoint.integrity import begin_save
-from bytecheckpoint.leases import pin
+from bytecheckpoint.leases import pin, read_lease
 from bytecheckpoint.storage import open_storage
 from tests.helpers import same_bits
 
@@ -248,6 +248,18 @@ def test_gc_keeps_every_kth_pinned_and_a_path_being_overwritten(capsys, tmp_path
     assert kept == ["step_1", "step_2", "step_3", "step_4", "step_6"]
 
 
+def test_gc_keeps_a_checkpoint_being_read(capsys, tmp_path):
+    root = tmp_path / "run"
+    save_run(str(root), [1, 2, 3])
+    storage, path = open_storage(str(root / "step_1"))
+    with read_lease(storage, path):  # a reader holds step_1 (as bcp.load does)
+        code, out, _ = run(capsys, "gc", str(root), "--keep-last", "1", "--yes", "--json")
+    assert code == 0
+    doc = {c["step"]: c for c in json.loads(out)["checkpoints"]}
+    assert doc[1]["reason"] == "being read (lease)" and doc[2]["deleted"]
+    assert [n for n in names(root) if n.startswith("step_")] == ["step_1", "step_3"]
+
+
 def test_gc_never_deletes_the_newest_committed_even_if_latest_points_elsewhere(capsys, tmp_path):
     root = tmp_path / "run"
     save_run(str(root), [1, 2, 3])
@@ -344,3 +356,21 @@ def test_tier_runs_the_tiering_service(capsys, run_root, tmp_path):
     assert "would cool" in out and "run1/step_10" in out
     code, _, _ = run(capsys, "tier", "--once", "--hot", "")  # the service's own bad-setting code
     assert code == 2
+
+
+def test_ls_shows_cold_checkpoints_and_gc_deletes_their_cold_copies(capsys, run_root, tmp_path):
+    root, _ = run_root
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    code, _, _ = run(capsys, "tier", "--once", "--hot", str(root.parent), "--cold", str(cold),
+                     "--cool-after", "0", "--keep-newest", "2")
+    assert code == 0
+    code, out, _ = run(capsys, "ls", str(root.parent), "--cold", str(cold), "--json")
+    tiers = {r["step"]: r["tier"] for r in json.loads(out)["checkpoints"]}
+    assert tiers == {10: "cold", 20: "cold", 30: "cold", 40: "hot", 50: "hot"}
+    cold_copy = cold / "run1" / "step_10"
+    assert any(cold_copy.iterdir())
+    code, out, _ = run(capsys, "gc", str(root), "--keep-last", "3", "--cold", str(cold), "--yes")
+    assert code == 0 and "deleted 2 checkpoint(s)" in out
+    assert not (root / "step_10").exists() and not cold_copy.exists()
+    assert bcp.verify(str(root / "step_30")) == []  # a cold one kept: still whole through its links
