@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import posixpath
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -209,30 +210,56 @@ def check_file_sizes(storage: Storage, path: str, meta: CheckpointMetadata, name
             )
 
 
-def verify(url: str, *, threads: int = 4) -> list[str]:
-    """Re-check every checksum of a checkpoint; return a description of each problem."""
+@dataclass(frozen=True)
+class Problem:
+    """One finding of a verification: the storage file (a plain name in the checkpoint) and what
+    is wrong with it."""
+
+    file: str
+    message: str
+
+
+def verify_files(url: str, *, threads: int = 4,
+                 progress: Callable[[int], None] | None = None) -> tuple[str, list[Problem]]:
+    """Re-check every checksum of a checkpoint in ``threads`` parallel readers.
+
+    Returns the checkpoint's URL and the problems, each naming its file. ``progress`` is called
+    with the byte count of each piece once it is checked (from the worker threads)."""
     storage, path = resolve(url)
     meta = read_metadata(storage, path)
-    problems: list[str] = []
+    problems: list[Problem] = []
     for f in meta.files:
         try:
             check_file_sizes(storage, path, meta, {f.name})
         except CorruptCheckpointError as exc:
-            problems.append(str(exc))
+            problems.append(Problem(f.name, str(exc)))
     pieces = [sb.bytes for t in meta.tensors for sb in meta.boxes_of(t.key)]
     pieces += [o.bytes for o in meta.objects]
+    bad_size = {p.file for p in problems}
 
-    def check(piece) -> str | None:
+    def check(piece) -> Problem | None:
         full = posixpath.join(path, piece.file)
         try:
+            if piece.file in bad_size:
+                return None  # already reported by name; its ranges may not exist
             data = storage.read(full, piece.byte_offset, piece.byte_length)
+            bad = bad_chunks(memoryview(data), 0, list(piece.checksums), meta.chunk_bytes)
         except (OSError, EOFError) as exc:
-            return f"{storage.url(full)}: cannot read bytes {piece.byte_offset}+{piece.byte_length}: {exc}"
-        bad = bad_chunks(memoryview(data), 0, list(piece.checksums), meta.chunk_bytes)
+            return Problem(piece.file, f"{storage.url(full)}: cannot read bytes "
+                                       f"{piece.byte_offset}+{piece.byte_length}: {exc}")
+        finally:
+            if progress is not None:
+                progress(piece.byte_length)
         if bad:
-            return f"{storage.url(full)}: checksum mismatch at bytes {piece.byte_offset}+{piece.byte_length}"
+            return Problem(piece.file, f"{storage.url(full)}: checksum mismatch at bytes "
+                                       f"{piece.byte_offset}+{piece.byte_length}")
         return None
 
     with ThreadPoolExecutor(threads) as pool:
         problems += [p for p in pool.map(check, pieces) if p]
-    return problems
+    return storage.url(path), problems
+
+
+def verify(url: str, *, threads: int = 4) -> list[str]:
+    """Re-check every checksum of a checkpoint; return a description of each problem."""
+    return [p.message for p in verify_files(url, threads=threads)[1]]

@@ -1,0 +1,656 @@
+"""``bcp``: the operator's command line.
+
+    bcp ls ROOT                 runs and checkpoints under a root
+    bcp inspect PATH            what a checkpoint holds
+    bcp verify PATH             re-check every checksum
+    bcp export PATH OUT         Hugging Face safetensors shards
+    bcp import SRC DST          a Hugging Face directory into a checkpoint
+    bcp gc ROOT                 retention (dry run unless --yes)
+    bcp tier|ingest|alerts|dashboard ...   the services (arguments passed through)
+
+``ls`` and ``gc`` work on local roots; they reuse the tiering service's catalog, so they see
+checkpoints exactly as tiering does (committed or not, hot or cold, pinned, being read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    StorageError,
+)
+
+# Exit codes (also in the README): scripts may rely on them.
+EXIT_OK = 0
+EXIT_FAILED = 1  # the check failed: verify found bad files, gc could not delete everything
+EXIT_USAGE = 2  # bad command line or option value
+EXIT_NOT_A_CHECKPOINT = 3  # no checkpoint there, or it never committed
+EXIT_CORRUPT = 4  # metadata or storage files unreadable, unsafe or inconsistent
+EXIT_EXISTS = 5  # the output exists (pass --overwrite)
+EXIT_STORAGE = 6  # the storage failed (after its retries) or refused
+EXIT_INTERRUPTED = 130
+
+EPILOG = """exit codes:
+  0  success
+  1  the check failed: verify found bad files, gc could not delete a checkpoint
+  2  bad command line or option value, or an unusable export/import input
+  3  not a checkpoint (nothing there, or a save that never committed)
+  4  corrupt or unsafe checkpoint (unreadable metadata, missing or damaged file)
+  5  the output already exists (pass --overwrite)
+  6  storage error (failed after retries, or refused: permissions, bucket)
+  130 interrupted
+bcp tier / ingest / alerts / dashboard exit with the code of the service they run."""
+
+
+class UsageError(Exception):
+    """A bad option value found after parsing (exit code 2)."""
+
+
+# -- output helpers ------------------------------------------------------------------------------
+
+def _human(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def _print_json(doc: Any) -> None:
+    json.dump(doc, sys.stdout, indent=2, sort_keys=False, default=str)
+    sys.stdout.write("\n")
+
+
+@contextmanager
+def _progress(description: str, total: int | None, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr (a terminal only); yields ``advance(n)``."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    except ImportError:  # rich is optional (the `cli` extra)
+        yield lambda n: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+# -- ls / gc: the tiering catalog ------------------------------------------------------------------
+
+_NO_COLD = os.path.join(os.sep, "\0no-cold-tier")  # a prefix no link target has
+
+
+def _catalog(root: str, cold: str | None) -> list[Any]:
+    from storage_tiering.catalog import scan
+
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        raise NotACheckpointError(f"{root}: no such directory (bcp ls and gc take a local root)")
+    cold_root = os.path.abspath(cold) if cold else _NO_COLD
+    if os.path.exists(os.path.join(root, "metadata.msgpack")):  # ROOT is one checkpoint
+        parent = os.path.dirname(root)
+        return [c for c in scan(parent, cold_root) if c.path == root]
+    return scan(root, cold_root)
+
+
+def _layout_text(meta: Any) -> str:
+    layout = meta.layout or {}
+    parts = [f"{meta.world_size} rank{'s' if meta.world_size != 1 else ''}"]
+    for k, v in sorted(layout.items()):
+        if k != "world_size":
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
+    from storage_tiering.catalog import read_meta
+
+    rows = []
+    for c in sorted(checkpoints, key=lambda c: (c.run, c.step if c.step is not None else -1, c.name)):
+        row: dict[str, Any] = {
+            "run": c.run, "name": c.name, "path": c.path, "step": c.step, "committed": c.committed,
+            "size": c.size, "files": max(len(c.files) - 1, 0) if c.committed else 0,
+            "framework": None, "world_size": None, "layout": None,
+            "tier": "staging" if (c.staging and not c.committed) else c.state,
+            "age_s": round(now - c.modified, 3), "latest": c.latest, "pinned": c.pinned,
+            "being_read": c.being_read,
+        }
+        if c.committed:
+            try:
+                meta = read_meta(c.path)
+                row.update(framework=meta.framework, world_size=meta.world_size, layout=meta.layout,
+                           layout_text=_layout_text(meta))
+            except (OSError, CheckpointError) as exc:
+                row.update(committed=False, tier="unreadable", error=str(exc))
+        rows.append(row)
+    return rows
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    now = time.time()
+    rows = _ls_rows(_catalog(args.root, args.cold), now)
+    if args.json:
+        _print_json({"root": os.path.abspath(args.root), "checkpoints": rows})
+        return EXIT_OK
+    if not rows:
+        print(f"no checkpoints under {os.path.abspath(args.root)}")
+        return EXIT_OK
+    table = []
+    for r in rows:
+        flags = ",".join(f for f, on in (("latest", r["latest"]), ("pinned", r["pinned"]),
+                                         ("reading", r["being_read"])) if on)
+        table.append([os.path.normpath(os.path.join(r["run"], r["name"])),
+                      "-" if r["step"] is None else r["step"], _human(r["size"]) if r["committed"] else "-",
+                      r["files"] or "-", r.get("layout_text") or "-", r["framework"] or "-",
+                      "yes" if r["committed"] else "no", r["tier"], _age(r["age_s"]), flags])
+    print(_table(["CHECKPOINT", "STEP", "SIZE", "FILES", "WORLD", "FRAMEWORK", "COMMITTED", "TIER", "AGE",
+                  "FLAGS"], table))
+    return EXIT_OK
+
+
+@dataclass(frozen=True)
+class GcDecision:
+    checkpoint: Any  # storage_tiering.catalog.CheckpointInfo
+    delete: bool
+    reason: str
+
+
+def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> list[GcDecision]:
+    """Pure retention decision per checkpoint: delete a committed checkpoint unless it is among
+    the newest ``keep_last`` of its run, its step is a multiple of ``keep_every``, or it is
+    untouchable (uncommitted, a save under way, pinned, being read, named by ``latest``). The
+    newest committed checkpoint of each run is always kept, whatever ``keep_last`` says."""
+    from storage_tiering.policies import Context, EveryKSteps, NewestPerRun
+
+    ctx = Context(now=0.0)
+    newest = NewestPerRun(max(keep_last, 1)).select(checkpoints, context=ctx)
+    every = EveryKSteps(keep_every).select(checkpoints, context=ctx)
+    out = []
+    for c, is_new, is_kth in zip(checkpoints, newest, every):
+        if not c.committed:
+            reason = "a save is being written" if c.staging else "uncommitted"
+        elif c.staging:
+            reason = "a save to this path is under way"
+        elif c.pinned:
+            reason = "pinned"
+        elif c.being_read:
+            reason = "being read (lease)"
+        elif c.latest:
+            reason = "named by latest"
+        elif is_new:
+            reason = f"among the newest {max(keep_last, 1)} of its run"
+        elif is_kth:
+            reason = f"step is a multiple of {keep_every}"
+        else:
+            out.append(GcDecision(c, True, "beyond --keep-last"))
+            continue
+        out.append(GcDecision(c, False, reason))
+    return out
+
+
+def _delete_checkpoint(path: str, cold_root: str) -> None:
+    """Rename aside first, so the checkpoint stops being one at once, then delete it (and the
+    cold copies its links point to)."""
+    from storage_tiering.catalog import is_cold_link
+    from storage_tiering.mover import delete_tree
+
+    parent, name = os.path.split(path)
+    cold_dirs = {os.path.dirname(os.readlink(os.path.join(path, n))) for n in os.listdir(path)
+                 if is_cold_link(os.path.join(path, n), cold_root)}
+    trash = os.path.join(parent, f".{name}.deleting-{uuid.uuid4().hex[:12]}")
+    os.rename(path, trash)
+    delete_tree(trash, cold_root)
+    for d in cold_dirs:  # the cold copy's directory, now empty
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass  # not empty: something else lives there; leave it
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if args.keep_last < 1:
+        raise UsageError("--keep-last must be at least 1: the newest committed checkpoint is never deleted")
+    if args.keep_every < 0:
+        raise UsageError("--keep-every must be 0 (off) or positive")
+    cold_root = os.path.abspath(args.cold) if args.cold else _NO_COLD
+    decisions = plan_gc(_catalog(args.root, args.cold), keep_last=args.keep_last, keep_every=args.keep_every)
+    decisions.sort(key=lambda d: (d.checkpoint.run,
+                                  d.checkpoint.step if d.checkpoint.step is not None else -1))
+    doomed = [d for d in decisions if d.delete]
+    act = args.yes
+    deleted, failed = [], {}
+    if act:
+        with _progress("deleting", len(doomed), not args.quiet) as advance:
+            for d in doomed:
+                # Re-check just before deleting: a pin or lease may have appeared meanwhile.
+                fresh = _catalog(d.checkpoint.path, args.cold)
+                if len(fresh) != 1 or _protected(fresh[0]):
+                    failed[d.checkpoint.path] = "became pinned, leased or uncommitted; kept"
+                else:
+                    try:
+                        _delete_checkpoint(d.checkpoint.path, cold_root)
+                        deleted.append(d.checkpoint.path)
+                    except OSError as exc:
+                        failed[d.checkpoint.path] = str(exc)
+                advance(1)
+    freed = sum(d.checkpoint.size for d in doomed if not act or d.checkpoint.path in deleted)
+    if args.json:
+        _print_json({
+            "root": os.path.abspath(args.root), "dry_run": not act,
+            "checkpoints": [{"path": d.checkpoint.path, "step": d.checkpoint.step, "size": d.checkpoint.size,
+                             "action": "delete" if d.delete else "keep", "reason": d.reason,
+                             "deleted": d.checkpoint.path in deleted} for d in decisions],
+            "bytes_freed": freed, "failed": failed,
+        })
+    else:
+        verb = "deleted" if act else "would delete"
+        for d in decisions:
+            c = d.checkpoint
+            label = (verb if c.path in deleted or not act else "FAILED") if d.delete else "keep"
+            print(f"{label:<13} {os.path.normpath(os.path.join(c.run, c.name)):<40} "
+                  f"step={c.step!s:<8} {_human(c.size) if c.committed else '-':>10}  ({d.reason})")
+        print(f"{verb} {len(deleted) if act else len(doomed)} checkpoint(s), {_human(freed)} "
+              f"{'freed' if act else 'would be freed'}" + ("" if act else "; pass --yes to delete"))
+        for path, err in failed.items():
+            print(f"error: {path}: {err}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _protected(c: Any) -> bool:
+    """Never deleted, whatever the retention counts say."""
+    return not c.committed or c.staging or c.pinned or c.being_read or c.latest
+
+
+# -- inspect / verify ------------------------------------------------------------------------------
+
+def _inspect_doc(url: str) -> dict[str, Any]:
+    import numpy as np
+
+    from .integrity import read_metadata, resolve
+
+    storage, path = resolve(url)
+    meta = read_metadata(storage, path)
+    counts = np.bincount(meta.boxes.tensor, minlength=len(meta.tensors)) if len(meta.tensors) else []
+    tensors = [{"key": t.key, "shape": list(t.shape), "dtype": t.dtype, "boxes": int(n),
+                "bytes": t.nbytes} for t, n in zip(meta.tensors, counts)]
+    groups: dict[str, dict[str, int]] = {}
+    for t in tensors:
+        g = groups.setdefault(t["key"].split("/", 1)[0], {"tensors": 0, "bytes": 0})
+        g["tensors"] += 1
+        g["bytes"] += t["bytes"]
+    return {
+        "path": storage.url(path),
+        "step": meta.step,
+        "framework": meta.framework,
+        "world_size": meta.world_size,
+        "layout": meta.layout,
+        "created_at": meta.created_at,
+        "library_version": meta.library_version,
+        "files": [{"name": f.name, "size": f.size, "rank": f.rank, "kind": f.kind} for f in meta.files],
+        "total_bytes": meta.total_bytes,
+        "groups": groups,
+        "tensors": tensors,
+        "boxes": len(meta.boxes),
+        "objects": [{"key": o.key, "rank": o.rank, "bytes": o.bytes.byte_length} for o in meta.objects],
+        "loader": meta.loader,
+        "user_metadata": meta.user_metadata,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    doc = _inspect_doc(args.path)
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    created = (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(doc["created_at"]))
+               if doc["created_at"] else "-")
+    print(f"checkpoint  {doc['path']}")
+    print(f"step        {doc['step']}")
+    print(f"framework   {doc['framework']}   saved by {doc['world_size']} rank(s)   "
+          f"layout {json.dumps(doc['layout'])}")
+    print(f"created     {created}   library {doc['library_version']}")
+    print(f"size        {_human(doc['total_bytes'])} in {len(doc['files'])} files, "
+          f"{len(doc['tensors'])} tensors, {doc['boxes']} boxes")
+    print("groups      " + ", ".join(f"{g}: {v['tensors']} tensors, {_human(v['bytes'])}"
+                                     for g, v in doc["groups"].items()))
+    print()
+    shown = doc["tensors"] if args.all else doc["tensors"][: args.max_rows]
+    print(_table(["TENSOR", "SHAPE", "DTYPE", "BOXES"],
+                 [[t["key"], "x".join(map(str, t["shape"])) or "()", t["dtype"], t["boxes"]] for t in shown]))
+    if len(shown) < len(doc["tensors"]):
+        print(f"... {len(doc['tensors']) - len(shown)} more (pass --all or --json)")
+    print()
+    per_rank = [o for o in doc["objects"] if o["rank"] is not None]
+    shared = [o for o in doc["objects"] if o["rank"] is None]
+    extra_keys = sorted({o["key"] for o in per_rank})
+    print(f"extra state {len(extra_keys)} per-rank key(s): {', '.join(extra_keys) or '-'}; "
+          f"{len(shared)} shared object(s)")
+    loader = doc["loader"]
+    print(f"dataloader  {len(loader)} entr{'y' if len(loader) == 1 else 'ies'}"
+          + (f": {json.dumps(loader[0], default=str)[:200]}" if loader else ""))
+    loader_objs = sorted({o["key"].split("/", 1)[0] for o in shared if "/" in o["key"]}
+                         - {"model", "optimizer"})
+    if loader_objs:
+        print(f"            reshardable state: {', '.join(loader_objs)}")
+    user = json.dumps(doc["user_metadata"], default=str)[:2000] if doc["user_metadata"] else "-"
+    print(f"user meta   {user}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .integrity import read_metadata, resolve, verify_files
+
+    storage, path = resolve(args.path)
+    total = sum(f.size for f in read_metadata(storage, path).files)
+    t0 = time.perf_counter()
+    with _progress("verifying", total, not args.quiet) as advance:
+        url, problems = verify_files(args.path, threads=args.threads, progress=advance)
+    seconds = time.perf_counter() - t0
+    bad = sorted({p.file for p in problems})
+    if args.json:
+        _print_json({"path": url, "ok": not problems, "bad_files": bad,
+                     "problems": [p.message for p in problems], "bytes": total, "seconds": round(seconds, 3)})
+    elif problems:
+        for p in problems:
+            print(f"BAD  {p.file}: {p.message}")
+        print(f"{url}: {len(bad)} bad file(s): {', '.join(bad)}", file=sys.stderr)
+    else:
+        print(f"OK   {url}: every checksum matches ({_human(total)} in {seconds:.2f} s)")
+    return EXIT_FAILED if problems else EXIT_OK
+
+
+# -- export / import -------------------------------------------------------------------------------
+
+def _names(args: argparse.Namespace) -> Any:
+    from .export import NameMap
+
+    return NameMap.parse(args.strip_prefix or (), args.rename or ())
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import parse_dtype, parse_size, plan_export
+
+    if args.format != "safetensors":
+        raise UsageError(f"--format {args.format!r}: only safetensors is supported")
+    try:
+        from .export import export_safetensors
+        limit = parse_size(args.max_shard_size)
+        dtype = parse_dtype(args.dtype)
+        names = _names(args)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    _, _, model, optim = plan_export(args.path, model_key=args.model_key,
+                                     include_optimizer=args.include_optimizer, names=names, dtype=dtype)
+    total = sum(it.out_bytes for it in model + optim)
+    tied = None if args.tied is None else tuple(t for t in args.tied if t)
+    with _progress("exporting", total, not args.quiet) as advance:
+        result = export_safetensors(
+            args.path, args.out, max_shard_bytes=limit, dtype=dtype, names=names,
+            include_optimizer=args.include_optimizer, model_key=args.model_key, config=args.config,
+            tied=tied, overwrite=args.overwrite, progress=lambda _name, n: advance(n))
+    if args.json:
+        _print_json({"out": result.out_dir, "files": result.files, "tensors": result.tensors,
+                     "bytes": result.bytes, "tied": result.tied, "config": result.config_written})
+        return EXIT_OK
+    print(f"exported {result.tensors} tensors ({_human(result.bytes)}) to {result.out_dir}")
+    for f in result.files:
+        print(f"  {f}")
+    for dropped, kept in result.tied.items():
+        print(f"  tied: {dropped} = {kept} (written once)")
+    if not result.config_written:
+        print("note: no config.json written (the checkpoint's user metadata has no 'hf_config'; "
+              "pass --config)", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .export import ExportError, import_safetensors
+
+    try:
+        names = _names(args)
+        tie = None
+        if args.tie:
+            tie = {}
+            for pair in args.tie:
+                if "=" not in pair:
+                    raise ExportError(f"--tie {pair!r} must look like NAME=SOURCE")
+                k, v = pair.split("=", 1)
+                tie[k] = v
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    with _progress("reading", None, not args.quiet) as advance:
+        result = import_safetensors(args.src, args.dst, model_key=args.model_key, names=names, tie=tie,
+                                    step=args.step, overwrite=args.overwrite,
+                                    progress=lambda _name, n: advance(n))
+    if args.json:
+        _print_json({"path": result.path, "tensors": result.tensors, "bytes": result.bytes,
+                     "tied": result.tied})
+    else:
+        print(f"imported {result.tensors} tensors ({_human(result.bytes)}) into {result.path}")
+        for k, v in result.tied.items():
+            print(f"  tied: {k} = {v}")
+    return EXIT_OK
+
+
+# -- delegation to the services --------------------------------------------------------------------
+
+def _delegate(module: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        main = importlib.import_module(module).main
+        try:
+            return int(main(list(args.rest)) or 0)
+        except SystemExit as exc:  # argparse in the service (--help, bad flags)
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+    return run
+
+
+SERVICES = {
+    "tier": ("storage_tiering.__main__", "the storage tiering service (python -m storage_tiering)"),
+    "ingest": ("telemetry.ingest.__main__", "the telemetry ingester, Kafka or spool -> ClickHouse "
+               "(python -m telemetry.ingest)"),
+    "alerts": ("telemetry.alerts.__main__", "evaluate alert rules (python -m telemetry.alerts)"),
+    "dashboard": ("dashboard.__main__", "serve the Streamlit dashboard (python -m dashboard)"),
+}
+
+
+# -- parser ----------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="bcp", description="bytecheckpoint's operator command line.\n\n"
+                                + "\n".join(__doc__.splitlines()[2:13]), epilog=EPILOG, formatter_class=fmt)
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(name: str, help_: str, description: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=description or help_, epilog=EPILOG,
+                              formatter_class=fmt)
+
+    ls = add("ls", "list runs and checkpoints under a local root",
+             "List every checkpoint under ROOT (runs at any depth): step, size, files, saving world and "
+             "layout, framework, committed or not, tier (hot / cold / partial / staging), age, and flags "
+             "(latest, pinned, being read).")
+    ls.add_argument("root", metavar="ROOT")
+    ls.add_argument("--cold", default=os.environ.get("BCP_TIERING_COLD") or None, metavar="DIR",
+                    help="the cold tier's root, to tell cold checkpoints apart (default $BCP_TIERING_COLD)")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(fn=cmd_ls)
+
+    ins = add("inspect", "summarize a checkpoint's metadata",
+              "Summarize a checkpoint from its metadata alone (no tensor bytes are read, nothing is "
+              "unpickled): tensors (key, global shape, dtype, number of boxes), the saving layout, "
+              "files, dataloader and extra state, user metadata. PATH is a checkpoint or a root with a "
+              "'latest' pointer; any storage URL works.")
+    ins.add_argument("path", metavar="PATH")
+    ins.add_argument("--json", action="store_true", help="machine-readable output (every tensor)")
+    ins.add_argument("--all", action="store_true", help="list every tensor")
+    ins.add_argument("--max-rows", type=int, default=200, help="tensors listed without --all (default 200)")
+    ins.set_defaults(fn=cmd_inspect)
+
+    ver = add("verify", "re-check every checksum of a checkpoint",
+              "Read every stored piece back and check its checksums, in parallel. Prints each bad file and "
+              "exits 1 when any is found (4 when the metadata itself is unreadable).")
+    ver.add_argument("path", metavar="PATH")
+    ver.add_argument("--threads", type=int, default=8, help="parallel readers (default 8)")
+    ver.add_argument("--json", action="store_true", help="machine-readable output")
+    ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ver.set_defaults(fn=cmd_verify)
+
+    ex = add("export", "write a checkpoint as Hugging Face safetensors shards",
+             "Merge a checkpoint's shards into full tensors and write OUT/model-0000k-of-0000n.safetensors "
+             "with model.safetensors.index.json (and config.json), which transformers' from_pretrained "
+             "loads. Streams: about one output shard is in memory at a time. Optimizer state "
+             "(--include-optimizer) goes to optimizer-*.safetensors with its own index, named "
+             "<parameter>.<state>, e.g. transformer.h.0.attn.c_attn.weight.exp_avg.")
+    ex.add_argument("path", metavar="PATH", help="checkpoint, or a root with a 'latest' pointer")
+    ex.add_argument("out", metavar="OUT", help="output directory (created; must be empty unless --overwrite)")
+    ex.add_argument("--format", default="safetensors", choices=["safetensors"], help="output format")
+    ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="largest output file, e.g. 2GB, 500MB, 1GiB (default 5GB); a bigger tensor gets a "
+                         "file of its own")
+    ex.add_argument("--dtype", default=None, metavar="DTYPE",
+                    help="convert floating tensors: fp32, fp16, bf16, fp64 (default: as saved)")
+    ex.add_argument("--strip-prefix", action="append", metavar="PREFIX",
+                    help="remove PREFIX from names that start with it (repeatable; first match wins)")
+    ex.add_argument("--rename", action="append", metavar="OLD=NEW",
+                    help="regular-expression substitution on names, after --strip-prefix "
+                         "(repeatable, applied in order)")
+    ex.add_argument("--include-optimizer", action="store_true", help="also write optimizer state")
+    ex.add_argument("--model-key", default="model", help="the state key of the model (default 'model')")
+    ex.add_argument("--config", default=None, metavar="FILE",
+                    help="config.json to copy in (default: the checkpoint's user metadata 'hf_config')")
+    ex.add_argument("--tied", action="append", metavar="NAME",
+                    help="a name written once when bit-identical to another tensor (repeatable; "
+                         "default lm_head.weight unless the config sets tie_word_embeddings false; "
+                         "--tied '' for none)")
+    ex.add_argument("--overwrite", action="store_true", help="replace OUT")
+    ex.add_argument("--json", action="store_true", help="machine-readable summary")
+    ex.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ex.set_defaults(fn=cmd_export)
+
+    im = add("import", "write a Hugging Face safetensors directory as a checkpoint",
+             "Read SRC (model.safetensors.index.json and its shards, or one model.safetensors; config.json "
+             "when present) without unpickling anything, and save it at DST as a checkpoint of full "
+             "tensors under the state key 'model', which bytecheckpoint.load reshards into any layout. "
+             "The whole model is held in memory once.")
+    im.add_argument("src", metavar="SRC", help="Hugging Face model directory")
+    im.add_argument("dst", metavar="DST", help="checkpoint path to create (any storage URL)")
+    im.add_argument("--model-key", default="model",
+                    help="state key to store the tensors under (default 'model')")
+    im.add_argument("--strip-prefix", action="append", metavar="PREFIX", help="as for export")
+    im.add_argument("--rename", action="append", metavar="OLD=NEW", help="as for export")
+    im.add_argument("--tie", action="append", metavar="NAME=SOURCE",
+                    help="add NAME as a copy of SOURCE (default: the pairs the export recorded)")
+    im.add_argument("--step", type=int, default=None, help="step recorded in the checkpoint")
+    im.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    im.add_argument("--json", action="store_true", help="machine-readable summary")
+    im.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    im.set_defaults(fn=cmd_import)
+
+    gc = add("gc", "delete old checkpoints (dry run unless --yes)",
+             "Retention for a local root. Keeps, in every run: the newest --keep-last committed checkpoints "
+             "(at least 1: the newest committed is never deleted), steps divisible by --keep-every, and "
+             "anything uncommitted (a save being written), pinned, being read or named by 'latest'. "
+             "Deletes the rest, with their cold copies. Dry run by default: prints what it would delete "
+             "and the bytes it would free.")
+    gc.add_argument("root", metavar="ROOT")
+    gc.add_argument("--keep-last", type=int, required=True, metavar="N")
+    gc.add_argument("--keep-every", type=int, default=0, metavar="K", help="also keep steps divisible by K")
+    gc.add_argument("--yes", "--delete", dest="yes", action="store_true", help="really delete")
+    gc.add_argument("--cold", default=os.environ.get("BCP_TIERING_COLD") or None, metavar="DIR",
+                    help="the cold tier's root, whose copies are deleted too (default $BCP_TIERING_COLD)")
+    gc.add_argument("--json", action="store_true", help="machine-readable output")
+    gc.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    gc.set_defaults(fn=cmd_gc)
+
+    for name, (module, help_) in SERVICES.items():
+        s = sub.add_parser(name, help=help_, add_help=False,
+                           description=f"{help_}; every argument is passed through, so "
+                                       f"'bcp {name} --help' shows the service's own options.")
+        s.add_argument("rest", nargs=argparse.REMAINDER)
+        s.set_defaults(fn=_delegate(module))
+    return p
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"bcp (bytecheckpoint) {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if argv and argv[0] in SERVICES:
+        # Everything after the service name is the service's own (argparse's REMAINDER would
+        # take '--help' as bcp's).
+        args = argparse.Namespace(command=argv[0], rest=argv[1:], fn=_delegate(SERVICES[argv[0]][0]))
+    else:
+        args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except UsageError as exc:
+        print(f"bcp {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except NotACheckpointError as exc:
+        print(f"bcp {args.command}: not a checkpoint: {exc}", file=sys.stderr)
+        return EXIT_NOT_A_CHECKPOINT
+    except CorruptCheckpointError as exc:
+        print(f"bcp {args.command}: corrupt checkpoint: {exc}\n(run 'bcp verify' on it to list every bad "
+              "file)", file=sys.stderr)
+        return EXIT_CORRUPT
+    except CheckpointExistsError as exc:
+        print(f"bcp {args.command}: {exc}", file=sys.stderr)
+        return EXIT_EXISTS
+    except StorageError as exc:
+        print(f"bcp {args.command}: storage error: {exc}", file=sys.stderr)
+        return EXIT_STORAGE
+    except CheckpointError as exc:
+        print(f"bcp {args.command}: error: {exc}", file=sys.stderr)
+        from .export import ExportError
+
+        return EXIT_USAGE if isinstance(exc, ExportError) else EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"bcp {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
