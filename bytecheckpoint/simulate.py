@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from .checksums import DEFAULT_CHUNK_BYTES
-from .dtypes import itemsize
 from .metadata import ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta
 from .planning import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
 from .sharding import Box, flat_range_boxes
@@ -154,7 +153,8 @@ def local_plans(spec: ModelSpec, layout: Layout, *, object_bytes: int = 4096) ->
                         items += [WriteItem(f"optimizer/state/{fqn}/{name}", "float32", shape, g)
                                   for name in OPTIM_STATES]
                 rank = layout.rank(s, d, t)
-                plans[rank] = LocalSavePlan(rank, items, object_bytes, shared)
+                # A dict per rank, as unpickled on the coordinator (equal, never identical).
+                plans[rank] = LocalSavePlan(rank, items, object_bytes, dict(shared))
     assert all(p is not None for p in plans)
     return plans  # type: ignore[return-value]
 
@@ -175,7 +175,7 @@ def synthetic_writes(plan: GlobalSavePlan, layout: Layout, *, files_per: str = "
     """What each rank's write would report: byte offsets in plan order and one placeholder
     checksum per chunk, in the engine's ``RankWrite`` form. ``files_per="host"``: the ranks of
     a host append to one file per kind (rank order), so offsets continue across ranks."""
-    from .engine.save_metadata import RankWrite
+    from .engine.save_metadata import RankWrite, box_columns
 
     header = 4096  # a safetensors header, roughly
     cursor: dict[tuple[int, str], int] = {}
@@ -201,7 +201,7 @@ def synthetic_writes(plan: GlobalSavePlan, layout: Layout, *, files_per: str = "
             objects.append(ObjectMeta(key, None, ByteMeta(fname, off, 96, (0,))))
             off += 96
         cursor[(owner, "extra")] = off
-        writes.append(RankWrite([], boxes, objects))
+        writes.append(RankWrite([], boxes, objects, box_columns(boxes)))  # as a rank would
     # Files go to the rank that writes them (the host's first rank for a host file).
     for (owner, kind), size in sorted(cursor.items()):
         tag = f"h{owner:05d}" if files_per == "host" else f"{owner:05d}"
