@@ -202,6 +202,7 @@ def untiled_tensors(shapes: Sequence[Sequence[int]], tensor: Sequence[int],
         shape_arr[t, : len(s)] = s
     numel_t = np.array([math.prod(s) for s in shapes], dtype=np.int64)
     bad = np.zeros(n_t, dtype=bool)
+    covered = np.zeros(n_t, dtype=np.int64)
     n = len(tensor)
     if n:
         tix = np.asarray(tensor, dtype=np.int64)
@@ -216,9 +217,7 @@ def untiled_tensors(shapes: Sequence[Sequence[int]], tensor: Sequence[int],
         wrong = (nd_b != nd_t[tix]) | np.any(off < 0, axis=1) | np.any(ln < 0, axis=1)
         wrong |= np.any(off + ln > shape_arr[tix], axis=1)
         bad[tix[wrong]] = True
-        covered = np.zeros(n_t, dtype=np.int64)
         np.add.at(covered, tix, np.prod(ln, axis=1))
-        bad |= covered != numel_t
         # Overlap: lay every tensor's dim 0 end to end, sort boxes by start; box j can only
         # overlap the boxes that start inside its dim-0 range, a contiguous run after it.
         base = np.concatenate([[0], np.cumsum(shape_arr[:, 0])[:-1]])
@@ -236,5 +235,6 @@ def untiled_tensors(shapes: Sequence[Sequence[int]], tensor: Sequence[int],
             hi_ = np.minimum(off[a] + ln[a], off[b] + ln[b])
             hit = np.all(lo_ < hi_, axis=1) & (tix[a] == tix[b])
             bad[tix[a[hit]]] = True
+    bad |= covered != numel_t
     bad &= numel_t > 0
     return set(np.nonzero(bad)[0].tolist())
