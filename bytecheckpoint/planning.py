@@ -10,9 +10,12 @@ O(n log n) in the number of boxes for grid-like layouts.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .dtypes import itemsize
@@ -124,6 +127,20 @@ def _assign_shared(plans: list[LocalSavePlan], load: list[int]) -> list[list[str
     return out
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building millions of acyclic objects (tuples,
+    lists, plan items). Its full passes, triggered by the allocations themselves, each walk
+    every live object: a third of planning time at 16k ranks, and growing faster than n."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan_save(plans: list[LocalSavePlan], *, split_fraction: int = 8,
               min_piece_bytes: int = 1 << 20) -> GlobalSavePlan:
     """Build the global plan. ``split_fraction``: replicated pieces stay below
@@ -132,6 +149,11 @@ def plan_save(plans: list[LocalSavePlan], *, split_fraction: int = 8,
     Cost: one pass over the offered boxes (dict dedup keyed on plain tuples), a vectorised
     coverage check (:func:`~bytecheckpoint.sharding.untiled_tensors`), a sort of the
     replicated pieces and O(log h) per placement: O(n log n) in boxes and ranks."""
+    with gc_paused():
+        return _plan_save(plans, split_fraction, min_piece_bytes)
+
+
+def _plan_save(plans: list[LocalSavePlan], split_fraction: int, min_piece_bytes: int) -> GlobalSavePlan:
     world = len(plans)
     # One pass: every rank agrees on each tensor's dtype and shape; each distinct box once.
     seen: dict[str, tuple[str, tuple[int, ...], int]] = {}

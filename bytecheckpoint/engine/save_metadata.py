@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..metadata import BoxTable, ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta, TensorMeta
-from ..planning import GlobalSavePlan
+from ..planning import GlobalSavePlan, gc_paused
 from ..sharding import Box
 
 
@@ -69,6 +69,11 @@ class MetadataTemplate:
 
 
 def metadata_template(plan: GlobalSavePlan, writes: list[RankWrite]) -> MetadataTemplate:
+    with gc_paused():  # a row tuple per box: see gc_paused
+        return _metadata_template(plan, writes)
+
+
+def _metadata_template(plan: GlobalSavePlan, writes: list[RankWrite]) -> MetadataTemplate:
     keys = sorted(plan.tensors)
     index = {k: i for i, k in enumerate(keys)}
     tensors = [TensorMeta(k, plan.tensors[k][0], tuple(plan.tensors[k][1])) for k in keys]
