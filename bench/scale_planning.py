@@ -92,6 +92,12 @@ def main() -> None:
         for (n1, a), (n2, b) in zip(rows, rows[1:]):
             ks = [growth_exponent(n1, a[s], n2, b[s]) for s in (*STAGES, "planning")]
             print(f"  {n1:>4}-{n2:<5}" + " ".join(f"{k:9.2f}" for k in ks) + f"{nlogn_exponent(n1, n2):9.2f}")
+    sizes = dict(rows)
+    if 4096 in sizes and 16384 in sizes:  # the growth target, end to end
+        a, b = sizes[4096], sizes[16384]
+        ks = [growth_exponent(4096, a[s], 16384, b[s]) for s in (*STAGES, "planning")]
+        print(f"  {4096:>4}-{16384:<5}" + " ".join(f"{k:9.2f}" for k in ks)
+              + f"{nlogn_exponent(4096, 16384):9.2f}")
     for world, med in rows:
         if world == TARGETS_AT:
             print(f"\ntargets at {world}: planning {med['planning']:.2f} s (< 10), cached re-plan "
