@@ -4,8 +4,10 @@ Input: every rank's local plan (the boxes it holds). Output: for every rank, the
 must write. A box offered by several ranks (a replica) is written once. Replicated boxes are
 first cut into row ranges no larger than a fraction of a rank's fair share, then placed
 largest first on the least-loaded of their holders (worst-fit, paper §4.1), after the
-boxes that only one rank holds. Coverage is checked per tensor with a sweep, so planning is
-O(n log n) in the number of boxes for grid-like layouts.
+boxes that only one rank holds. Coverage is checked for all tensors at once, vectorised
+(``sharding.untiled_tensors``), and placement takes O(log h) per piece from a heap per holder
+set, so planning is O(n log n) in boxes and ranks for grid-like layouts (``bench/scale_planning.py``
+measures it at 16k simulated ranks).
 """
 
 from __future__ import annotations
