@@ -24,6 +24,7 @@ import gc
 import math
 import resource
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,7 +122,7 @@ def local_plans(spec: ModelSpec, layout: Layout, *, object_bytes: int = 4096) ->
         mine = [t for t in tensors if lo <= t[3] < hi or (t[3] == -1 and s == 0)
                 or (t[3] == spec.layers and s == layout.pp - 1)]
         # Hyperparameters per parameter, identical on every holder (a shared object each).
-        shared = {f"optimizer/param_groups/{fqn}": (96, hash(fqn) & 0xFFFF_FFFF) for fqn, *_ in mine}
+        shared = {f"optimizer/param_groups/{fqn}": (96, zlib.crc32(fqn.encode())) for fqn, *_ in mine}
         shared["optimizer/param_groups"] = (256, 7)
         for t in range(layout.tp):
             local: list[tuple[str, tuple[int, ...], Box]] = []
