@@ -4,14 +4,33 @@ Planning messages are small Python objects, so they go over gloo even when train
 NCCL: no accelerator memory, no lazy NCCL channel setup (paper §5). Every collective step
 carries either a value or an error, so one rank's failure reaches every rank as an
 exception instead of leaving the others blocked in a collective until the timeout.
+
+Large worlds use a tree instead of gloo's flat object collectives (paper §5): the ranks of a
+host send to their host leader, host leaders to the leader of their group of ``fanout``
+hosts, and so on up to the coordinator; scatter and broadcast walk the same tree down. A
+rank hears from at most its host's ranks plus ``fanout - 1`` leaders per level above (41 at
+8,960 ranks, 8 per host, fan-out 16), where a flat gather makes the coordinator receive
+from every rank. The tree is point-to-point sends of pickled bytes (the trust model of
+torch's object collectives) on the same gloo group (no subgroups to create), and gives the
+same results as the flat version. Settings (environment, or ``Communicator`` arguments):
+
+- ``BCP_COMM_TREE``: ``1`` always, ``0`` never, unset: from ``BCP_COMM_TREE_MIN_WORLD``
+  ranks on (default 256);
+- ``BCP_COMM_HOST_SIZE``: ranks per host (default ``LOCAL_WORLD_SIZE``, else the fan-out);
+  hosts are blocks of consecutive ranks, as torchrun numbers them;
+- ``BCP_COMM_FANOUT``: children per leader above the host level (default 16).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import pickle
 import traceback
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, RankFailedError
@@ -61,13 +80,86 @@ def _save_group(group: Any) -> Any:
     return _SAVE_GROUPS[ranks]
 
 
+TREE_MIN_WORLD = 256
+DEFAULT_FANOUT = 16
+
+
+@dataclass(frozen=True)
+class TreeNode:
+    """One rank's place in the coordination tree (group ranks; the root is rank 0)."""
+
+    parent: int | None
+    children: tuple[int, ...]  # in the order this rank receives from them
+    subtree: tuple[int, ...]  # this rank and everything below it, ascending
+
+
+@functools.lru_cache(maxsize=8)
+def tree_layout(world: int, host_size: int, fanout: int) -> tuple[TreeNode, ...]:
+    """The tree for ``world`` ranks: blocks of ``host_size`` ranks under their first rank,
+    then blocks of ``fanout`` leaders under their first leader, level by level. Pure, so
+    every rank computes the same tree with no message."""
+    if world < 1 or host_size < 1 or fanout < 2:
+        raise ValueError(f"bad tree: world={world} host_size={host_size} fanout={fanout}")
+    parent: list[int | None] = [None] * world
+    children: list[list[int]] = [[] for _ in range(world)]
+    level = list(range(world))
+    block = host_size
+    while len(level) > 1:
+        leaders = []
+        for i in range(0, len(level), block):
+            head, rest = level[i], level[i + 1 : i + block]
+            leaders.append(head)
+            for r in rest:
+                parent[r] = head
+                children[head].append(r)
+        level, block = leaders, fanout
+    subtree: list[list[int]] = [[r] for r in range(world)]
+    for r in sorted(range(world), key=lambda r: -_depth(parent, r)):  # leaves first
+        p = parent[r]
+        if p is not None:
+            subtree[p].extend(subtree[r])
+    return tuple(TreeNode(parent[r], tuple(children[r]), tuple(sorted(subtree[r]))) for r in range(world))
+
+
+def _depth(parent: list[int | None], r: int) -> int:
+    d = 0
+    while parent[r] is not None:
+        r, d = parent[r], d + 1  # type: ignore[assignment]
+    return d
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    return int(raw) if raw not in (None, "") else default
+
+
+def tree_settings(world: int, *, tree: bool | None = None, host_size: int | None = None,
+                  fanout: int | None = None) -> tuple[int, int] | None:
+    """``(host_size, fanout)`` when ``world`` ranks coordinate through a tree, else None."""
+    if tree is None:
+        flag = os.environ.get("BCP_COMM_TREE", "").strip().lower()
+        if flag in ("1", "true", "on", "yes"):
+            tree = True
+        elif flag in ("0", "false", "off", "no"):
+            tree = False
+        else:
+            tree = world >= (_env_int("BCP_COMM_TREE_MIN_WORLD", TREE_MIN_WORLD) or TREE_MIN_WORLD)
+    if not tree or world < 2:
+        return None
+    fan = fanout or _env_int("BCP_COMM_FANOUT", DEFAULT_FANOUT) or DEFAULT_FANOUT
+    host = host_size or _env_int("BCP_COMM_HOST_SIZE", None) or _env_int("LOCAL_WORLD_SIZE", None) or fan
+    return max(1, host), max(2, fan)
+
+
 class Communicator:
     """Rank, world size and checked collectives over one process group (or none).
 
     ``dedicated=True`` runs them on the save group (see :func:`_save_group`) instead of the
-    control group."""
+    control group. ``tree``/``host_size``/``fanout`` override the tree settings (see the
+    module docstring); the results are the same either way."""
 
-    def __init__(self, group: Any = None, *, dedicated: bool = False) -> None:
+    def __init__(self, group: Any = None, *, dedicated: bool = False, tree: bool | None = None,
+                 host_size: int | None = None, fanout: int | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
             self.group = _save_group(group) if dedicated else _control_group(group)
@@ -77,6 +169,12 @@ class Communicator:
         else:
             self.group = None
             self.rank, self.world_size, self.global_ranks = 0, 1, [0]
+        settings = tree_settings(self.world_size, tree=tree, host_size=host_size, fanout=fanout)
+        self.tree: tuple[TreeNode, ...] | None = None
+        self.node: TreeNode | None = None
+        if self.distributed and settings is not None:
+            self.tree = tree_layout(self.world_size, *settings)
+            self.node = self.tree[self.rank]
 
     COORDINATOR = 0
 
@@ -91,6 +189,8 @@ class Communicator:
         """All outcomes on the coordinator (indexed by group rank), None elsewhere."""
         if not self.distributed:
             return [outcome]
+        if self.node is not None:
+            return self._tree_gather(outcome)
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
         dist.gather_object(outcome, out, dst=self._coordinator_global(), group=self.group)
         return out
@@ -100,6 +200,8 @@ class Communicator:
         if not self.distributed:
             assert per_rank is not None
             return per_rank[0]
+        if self.node is not None:
+            return self._tree_scatter(per_rank)
         received: list[Any] = [None]
         dist.scatter_object_list(
             received, per_rank if self.is_coordinator else None,
@@ -112,6 +214,8 @@ class Communicator:
         if not self.distributed:
             assert outcome is not None
             return outcome
+        if self.node is not None:
+            return self._tree_broadcast(outcome)
         box = [outcome]
         dist.broadcast_object_list(box, src=self._coordinator_global(), group=self.group)
         return box[0]
@@ -119,9 +223,60 @@ class Communicator:
     def all_gather(self, outcome: Outcome) -> list[Outcome]:
         if not self.distributed:
             return [outcome]
+        if self.node is not None:
+            gathered = self._tree_gather(outcome)
+            return self._tree_broadcast(Outcome(value=gathered) if gathered is not None else None).value
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, outcome, group=self.group)
         return out
+
+    # -- the tree: point-to-point sends of pickled bytes along TreeNode edges ---------------
+    def _send(self, obj: Any, to: int, raw: bytes | None = None) -> None:
+        data = raw if raw is not None else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), group=self.group, group_dst=to)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), group=self.group, group_dst=to)
+
+    def _recv_raw(self, src: int) -> bytes:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, group=self.group, group_src=src)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(buf, group=self.group, group_src=src)
+        return buf.numpy().tobytes()
+
+    def _tree_gather(self, outcome: Outcome) -> list[Outcome] | None:
+        node = self.node
+        assert node is not None
+        mine: dict[int, Outcome] = {self.rank: outcome}
+        for child in node.children:  # each child sends its whole subtree's outcomes at once
+            mine.update(pickle.loads(self._recv_raw(child)))
+        if node.parent is not None:
+            self._send(mine, node.parent)
+            return None
+        return [mine[r] for r in range(self.world_size)]
+
+    def _tree_scatter(self, per_rank: list[Outcome] | None) -> Outcome:
+        node = self.node
+        assert node is not None
+        if node.parent is None:
+            assert per_rank is not None
+            table = dict(enumerate(per_rank))
+        else:
+            table = pickle.loads(self._recv_raw(node.parent))
+        assert self.tree is not None
+        for child in node.children:  # each child gets only its subtree's outcomes
+            self._send({r: table[r] for r in self.tree[child].subtree}, child)
+        return table[self.rank]
+
+    def _tree_broadcast(self, outcome: Outcome | None) -> Outcome:
+        node = self.node
+        assert node is not None
+        if node.parent is None:
+            raw = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            raw = self._recv_raw(node.parent)
+        for child in node.children:  # forward the bytes as received: pickled once, at the root
+            self._send(None, child, raw)
+        return outcome if node.parent is None else pickle.loads(raw)
 
     def check_all(self, local_error: BaseException | None, what: str) -> None:
         """Raise on every rank if any rank failed ``what``."""

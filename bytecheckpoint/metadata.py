@@ -309,8 +309,9 @@ def _decode(doc: dict[str, Any], source: str) -> CheckpointMetadata:
     _check_boxes(table, shape_flat, shape_start, tensor_itemsize, files, source)
 
     objects = []
+    file_names = {f.name for f in files}  # once, not per object: thousands of each at scale
     for key, rank, fname, off, length, sums in doc["objects"]:
-        if fname not in {f.name for f in files}:
+        if fname not in file_names:
             check_file_name(fname, source)
             raise CorruptCheckpointError(f"{source}: object {key!r} refers to unknown file")
         objects.append(ObjectMeta(str(key), None if rank is None else int(rank),

@@ -4,19 +4,23 @@ Input: every rank's local plan (the boxes it holds). Output: for every rank, the
 must write. A box offered by several ranks (a replica) is written once. Replicated boxes are
 first cut into row ranges no larger than a fraction of a rank's fair share, then placed
 largest first on the least-loaded of their holders (worst-fit, paper §4.1), after the
-boxes that only one rank holds. Coverage is checked per tensor with a sweep, so planning is
-O(n log n) in the number of boxes for grid-like layouts.
+boxes that only one rank holds. Coverage is checked for all tensors at once, vectorised
+(``sharding.untiled_tensors``), and placement takes O(log h) per piece from a heap per holder
+set, so planning is O(n log n) in boxes and ranks for grid-like layouts (``bench/scale_planning.py``
+measures it at 16k simulated ranks).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .dtypes import itemsize
 from .errors import PlanningError
-from .sharding import Box, coverage_problem, split_rows
+from .gc_pause import gc_paused
+from .sharding import Box, coverage_problem, split_rows, untiled_tensors
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,13 @@ def check_shared_objects(
     """Raise if holders of a shared object disagree on its value (by content hash); return
     ``key -> (size, digest, first holder)``. Also run on every save a cached plan serves."""
     seen: dict[str, tuple[int, int, int]] = {}
+    last: dict[str, tuple[int, int]] | None = None
     for rank, shared in enumerate(shared_per_rank):
+        # Neighbouring ranks (data-parallel replicas, one host) mostly hold the same objects:
+        # a dict equal to the one just checked adds nothing (one C-level compare).
+        if shared == last:
+            continue
+        last = shared
         for key, (size, digest) in shared.items():
             prev = seen.setdefault(key, (size, digest, rank))
             if prev[1] != digest:
@@ -68,6 +78,37 @@ def check_shared_objects(
     return seen
 
 
+class _LeastLoaded:
+    """Worst-fit placement: the least-loaded rank (then the lowest) of a holder set.
+
+    One heap of ``(load, rank)`` per distinct holder set, updated lazily: loads only grow, so
+    an entry whose load is out of date is below the truth and is refreshed when it reaches
+    the top. A pick costs O(log h) amortised instead of O(h): with thousands of replicas of
+    every weight (data parallelism) the linear scan dominated planning."""
+
+    def __init__(self, load: list[int]) -> None:
+        self.load = load
+        self._heaps: dict[int, list[tuple[int, int]]] = {}
+
+    def pick(self, set_id: int, holders: list[int]) -> int:
+        heap = self._heaps.get(set_id)
+        if heap is None:
+            heap = self._heaps[set_id] = [(self.load[r], r) for r in holders]
+            heapq.heapify(heap)
+        load = self.load
+        while True:
+            held, rank = heap[0]
+            if held == load[rank]:
+                return rank
+            heapq.heapreplace(heap, (load[rank], rank))
+
+
+def _holder_sets(groups: list[list[int]]) -> list[int]:
+    """An id per holder list, equal for equal lists (so equal sets share one heap)."""
+    ids: dict[tuple[int, ...], int] = {}
+    return [ids.setdefault(tuple(g), len(ids)) for g in groups]
+
+
 def _assign_shared(plans: list[LocalSavePlan], load: list[int]) -> list[list[str]]:
     """One writer per shared object: the least-loaded rank holding it. Holders must agree."""
     seen = check_shared_objects([plan.shared for plan in plans])
@@ -76,56 +117,73 @@ def _assign_shared(plans: list[LocalSavePlan], load: list[int]) -> list[list[str
         for key in plan.shared:
             holders[key].append(plan.rank)
     out: list[list[str]] = [[] for _ in plans]
-    for key in sorted(holders, key=lambda k: (-seen[k][0], k)):
-        target = min(holders[key], key=lambda r: (load[r], r))
+    keys = sorted(holders, key=lambda k: (-seen[k][0], k))
+    ids = _holder_sets([holders[k] for k in keys])
+    placer = _LeastLoaded(load)
+    for key, set_id in zip(keys, ids):
+        target = placer.pick(set_id, holders[key])
         out[target].append(key)
         load[target] += seen[key][0]
     return out
 
 
-def _check_consistent(plans: list[LocalSavePlan]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    for plan in plans:
-        for item in plan.items:
-            prev = seen.get(item.key)
-            if prev is None:
-                seen[item.key] = (item.dtype, item.shape, plan.rank)
-            elif prev[:2] != (item.dtype, item.shape):
-                raise PlanningError(
-                    f"{item.key}: rank {prev[2]} has dtype {prev[0]} shape {prev[1]}, rank "
-                    f"{plan.rank} has dtype {item.dtype} shape {item.shape}; every rank must "
-                    "agree on a tensor's global dtype and shape"
-                )
-    return {k: v[:2] for k, v in seen.items()}
-
-
 def plan_save(plans: list[LocalSavePlan], *, split_fraction: int = 8,
               min_piece_bytes: int = 1 << 20) -> GlobalSavePlan:
     """Build the global plan. ``split_fraction``: replicated pieces stay below
-    1/split_fraction of a rank's fair share of the replicated bytes."""
+    1/split_fraction of a rank's fair share of the replicated bytes.
+
+    Cost: one pass over the offered boxes (dict dedup keyed on plain tuples), a vectorised
+    coverage check (:func:`~bytecheckpoint.sharding.untiled_tensors`), a sort of the
+    replicated pieces and O(log h) per placement: O(n log n) in boxes and ranks."""
+    with gc_paused():
+        return _plan_save(plans, split_fraction, min_piece_bytes)
+
+
+def _plan_save(plans: list[LocalSavePlan], split_fraction: int, min_piece_bytes: int) -> GlobalSavePlan:
     world = len(plans)
-    tensors = _check_consistent(plans)
-
-    holders: dict[tuple[str, Box], list[int]] = defaultdict(list)
-    items_by_key: dict[tuple[str, Box], WriteItem] = {}
+    # One pass: every rank agrees on each tensor's dtype and shape; each distinct box once.
+    seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    items_by_key: dict[tuple[str, tuple[int, ...], tuple[int, ...]], WriteItem] = {}
     for plan in plans:
+        rank = plan.rank
         for item in plan.items:
-            if item.box.is_empty():
+            key = item.key
+            prev = seen.get(key)
+            if prev is None:
+                seen[key] = (item.dtype, item.shape, rank)
+            elif prev[0] != item.dtype or prev[1] != item.shape:
+                raise PlanningError(
+                    f"{key}: rank {prev[2]} has dtype {prev[0]} shape {prev[1]}, rank "
+                    f"{rank} has dtype {item.dtype} shape {item.shape}; every rank must "
+                    "agree on a tensor's global dtype and shape"
+                )
+            box = item.box
+            if 0 in box.lengths:
                 continue
-            k = (item.key, item.box)
-            holders[k].append(plan.rank)
-            items_by_key[k] = item
+            k = (key, box.offsets, box.lengths)
+            ranks = holders.get(k)
+            if ranks is None:
+                holders[k] = [rank]
+                items_by_key[k] = item
+            else:
+                ranks.append(rank)
+    tensors = {k: v[:2] for k, v in seen.items()}
 
-    boxes_per_tensor: dict[str, list[Box]] = defaultdict(list)
-    for key, box in holders:
-        boxes_per_tensor[key].append(box)
-    for key, (_, shape) in tensors.items():
-        problem = coverage_problem(shape, boxes_per_tensor.get(key, []))
-        if problem is not None and math.prod(shape) > 0:
-            raise PlanningError(
-                f"{key}: the ranks' shards do not tile the global shape {shape}: {problem}. "
-                "Every rank of the process group must call save() with its part of the state"
-            )
+    index = {k: i for i, k in enumerate(tensors)}
+    bad = untiled_tensors([shape for _, shape in tensors.values()], [index[k[0]] for k in holders],
+                          [k[1] for k in holders], [k[2] for k in holders])
+    if bad:  # describe the first bad tensor, in the order the ranks offered them
+        boxes_per_tensor: dict[str, list[Box]] = defaultdict(list)
+        for key, offsets, lengths in holders:
+            boxes_per_tensor[key].append(Box(offsets, lengths))
+        for key, (_, shape) in tensors.items():
+            problem = coverage_problem(shape, boxes_per_tensor.get(key, []))
+            if problem is not None and math.prod(shape) > 0:
+                raise PlanningError(
+                    f"{key}: the ranks' shards do not tile the global shape {shape}: {problem}. "
+                    "Every rank of the process group must call save() with its part of the state"
+                )
 
     load = [plan.object_bytes for plan in plans]
     shared_assignments = _assign_shared(plans, load)
@@ -141,20 +199,23 @@ def plan_save(plans: list[LocalSavePlan], *, split_fraction: int = 8,
 
     replicated_bytes = sum(item.nbytes for item, _ in replicated)
     max_piece = max(min_piece_bytes, replicated_bytes // max(1, world * split_fraction))
-    pieces: list[tuple[int, WriteItem, list[int]]] = []
-    for item, ranks in replicated:
+    set_ids = _holder_sets([ranks for _, ranks in replicated])
+    pieces: list[tuple[int, str, tuple[int, ...], tuple[int, ...], WriteItem, int, list[int]]] = []
+    for (item, ranks), set_id in zip(replicated, set_ids):
         per_elem = itemsize(item.dtype)
-        for box in split_rows(item.box, max(1, max_piece // per_elem)):
-            piece = WriteItem(item.key, item.dtype, item.shape, box)
-            pieces.append((piece.nbytes, piece, ranks))
-    pieces.sort(key=lambda p: (-p[0], p[1].key, p[1].box))
+        boxes = split_rows(item.box, max(1, max_piece // per_elem))
+        for box in boxes:
+            piece = item if len(boxes) == 1 else WriteItem(item.key, item.dtype, item.shape, box)
+            pieces.append((-box.numel * per_elem, item.key, box.offsets, box.lengths, piece, set_id,
+                           ranks))
+    pieces.sort(key=lambda p: p[:4])  # largest first, then by key and box (deterministic)
 
-    for nbytes, piece, ranks in pieces:
-        target = min(ranks, key=lambda r: (load[r], r))
+    placer = _LeastLoaded(load)
+    for neg_bytes, _, _, _, piece, set_id, ranks in pieces:
+        target = placer.pick(set_id, ranks)
         assignments[target].append(piece)
-        load[target] += nbytes
+        load[target] -= neg_bytes
 
     for items in assignments:
-        items.sort(key=lambda it: (it.key, it.box))
+        items.sort(key=lambda it: (it.key, it.box.offsets, it.box.lengths))
     return GlobalSavePlan(assignments, tensors, load, shared_assignments)
-

@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True, order=True)
 class Box:
@@ -176,3 +178,63 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     if col1:
         boxes += in_row(row1, 0, col1)
     return boxes
+
+
+def untiled_tensors(shapes: Sequence[Sequence[int]], tensor: Sequence[int],
+                    offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> set[int]:
+    """Indices of the tensors whose boxes do not tile their shape exactly (vectorised).
+
+    ``shapes[t]`` is tensor t's shape; box i belongs to tensor ``tensor[i]`` and has
+    ``offsets[i]``/``lengths[i]``. Tensors with no elements are never reported. A tensor is
+    tiled when its boxes lie inside it, cover as many elements as it has, and no two overlap.
+    Overlap is tested between the boxes whose dim-0 ranges overlap, found for all tensors at
+    once by sorting on (tensor, dim-0 start): O(n log n + p) for n boxes and p such pairs,
+    which grid-like layouts keep near n (a row range is split over a few ranks at most).
+    Use :func:`coverage_problem` on a reported tensor to describe what is wrong.
+    """
+    n_t = len(shapes)
+    nd_t = np.array([len(s) for s in shapes], dtype=np.int64)
+    dims = max([1, *nd_t.tolist()], default=1)
+    # Boxes are padded to ``dims`` dimensions (offset 0, length 1 over a size-1 dimension),
+    # so 0-d tensors are one element long.
+    shape_arr = np.ones((n_t, dims), dtype=np.int64)
+    for t, s in enumerate(shapes):
+        shape_arr[t, : len(s)] = s
+    numel_t = np.array([math.prod(s) for s in shapes], dtype=np.int64)
+    bad = np.zeros(n_t, dtype=bool)
+    covered = np.zeros(n_t, dtype=np.int64)
+    n = len(tensor)
+    if n:
+        tix = np.asarray(tensor, dtype=np.int64)
+        nd_b = np.fromiter((len(o) for o in offsets), dtype=np.int64, count=n)
+        off = np.zeros((n, dims), dtype=np.int64)
+        ln = np.ones((n, dims), dtype=np.int64)
+        for d in range(1, dims + 1):  # fill boxes of each rank at once
+            sel = np.nonzero(nd_b == d)[0]
+            if len(sel):
+                off[sel, :d] = np.array([offsets[i] for i in sel], dtype=np.int64).reshape(len(sel), d)
+                ln[sel, :d] = np.array([lengths[i] for i in sel], dtype=np.int64).reshape(len(sel), d)
+        wrong = (nd_b != nd_t[tix]) | np.any(off < 0, axis=1) | np.any(ln < 0, axis=1)
+        wrong |= np.any(off + ln > shape_arr[tix], axis=1)
+        bad[tix[wrong]] = True
+        np.add.at(covered, tix, np.prod(ln, axis=1))
+        # Overlap: lay every tensor's dim 0 end to end, sort boxes by start; box j can only
+        # overlap the boxes that start inside its dim-0 range, a contiguous run after it.
+        base = np.concatenate([[0], np.cumsum(shape_arr[:, 0])[:-1]])
+        start = base[tix] + off[:, 0]
+        order = np.argsort(start, kind="stable")
+        start, end = start[order], start[order] + ln[order, 0]
+        hi = np.searchsorted(start, end, side="left")
+        counts = np.maximum(hi - np.arange(n) - 1, 0)
+        if counts.sum():
+            j = np.repeat(np.arange(n), counts)
+            first = np.cumsum(counts) - counts
+            i = np.arange(len(j)) - np.repeat(first, counts) + j + 1
+            a, b = order[j], order[i]
+            lo_ = np.maximum(off[a], off[b])
+            hi_ = np.minimum(off[a] + ln[a], off[b] + ln[b])
+            hit = np.all(lo_ < hi_, axis=1) & (tix[a] == tix[b])
+            bad[tix[a[hit]]] = True
+    bad |= covered != numel_t
+    bad &= numel_t > 0
+    return set(np.nonzero(bad)[0].tolist())

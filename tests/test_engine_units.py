@@ -11,8 +11,8 @@ import torch
 
 import bytecheckpoint as bcp
 from bytecheckpoint.engine import staging
-from bytecheckpoint.engine.gc_pause import gc_paused
 from bytecheckpoint.errors import StorageError
+from bytecheckpoint.gc_pause import gc_paused
 from bytecheckpoint.storage import writeback
 from bytecheckpoint.storage.config import TransferSettings, settings
 from bytecheckpoint.storage.local import LocalStorage

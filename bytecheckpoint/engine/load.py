@@ -35,6 +35,7 @@ from ..errors import (
     ShapeMismatchError,
     StateMismatchError,
 )
+from ..gc_pause import gc_paused
 from ..integrity import check_file_sizes, read_metadata, resolve
 from ..leases import lease_for_load
 from ..metadata import CheckpointMetadata, SavedBox
@@ -42,7 +43,6 @@ from ..planners import get_planner
 from ..sharding import element_span
 from ..state import FlatState, flatten_state
 from ..storage import Storage
-from .gc_pause import gc_paused
 from .load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
 from .read_plan import Need, plan_reads
 

@@ -38,6 +38,7 @@ from ..checksums import DEFAULT_CHUNK_BYTES
 from ..comm import Communicator, Outcome, summarize_failures
 from ..dtypes import dtype_name
 from ..errors import CheckpointExistsError, PlanningError, RankFailedError
+from ..gc_pause import gc_paused
 from ..integrity import (
     abandon,
     begin_save,
@@ -55,7 +56,6 @@ from ..state import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
 from . import plan_cache
 from .async_save import SaveHandle, set_pending, wait_pending
-from .gc_pause import gc_paused
 from .plan_cache import CacheEntry, structure_key
 from .save_metadata import RankWrite, build_metadata, metadata_template
 from .staging import Stager

@@ -20,7 +20,7 @@ from ..planning import WriteItem
 from ..state import KIND_EXTRA, FlatState
 from ..storage import Storage
 from .files import Piece, write_file
-from .save_metadata import RankWrite
+from .save_metadata import RankWrite, box_columns
 
 KIND_ORDER = ("model", "optim", "extra")
 
@@ -79,4 +79,5 @@ def write_rank(
             else:
                 scope, key = piece.name[len("__object__/") :].split(":", 1)
                 objs.append(ObjectMeta(key, None if scope == "shared" else rank, bm))
-    return RankWrite(files, boxes, objs)
+    # The columns are made here, on every rank at once, not on the coordinator.
+    return RankWrite(files, boxes, objs, box_columns(boxes))

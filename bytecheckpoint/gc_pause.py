@@ -1,4 +1,4 @@
-"""Hold Python's cyclic garbage collector off while a save or load runs in the foreground.
+"""Hold Python's cyclic garbage collector off while a save, a load or global planning runs.
 
 A save allocates tens of thousands of small objects (boxes, plan items, views). With the
 collector on, they live just long enough to be promoted, which triggers full collections
