@@ -135,26 +135,20 @@ class CheckpointMetadata:
             return []
         b = self.boxes
         # Keys in the column's own dtype: a mixed-dtype search would copy the whole column.
-        lo, hi = np.searchsorted(b.tensor, np.array([i, i + 1], dtype=b.tensor.dtype))
+        lo, hi = (int(x) for x in np.searchsorted(b.tensor, np.array([i, i + 1], dtype=b.tensor.dtype)))
+        nd = len(self.tensors[i].shape)
+        # One conversion per column for the tensor's rows, not one per box and field.
+        dim_start = b.dim_start[lo:hi].tolist()
+        files, offsets = b.file[lo:hi].tolist(), b.byte_offset[lo:hi].tolist()
+        lengths, sum_start = b.byte_length[lo:hi].tolist(), b.checksum_start[lo:hi].tolist()
         out = []
-        for j in range(int(lo), int(hi)):
-            nd = len(self.tensors[i].shape)
-            s = int(b.dim_start[j])
-            cs = int(b.checksum_start[j])
-            length = int(b.byte_length[j])
+        for s, f, off, length, cs in zip(dim_start, files, offsets, lengths, sum_start):
             n_chunks = chunk_count(length, self.chunk_bytes)
-            out.append(
-                SavedBox(
-                    key,
-                    Box(tuple(b.offsets[s : s + nd].tolist()), tuple(b.lengths[s : s + nd].tolist())),
-                    ByteMeta(
-                        self.files[int(b.file[j])].name,
-                        int(b.byte_offset[j]),
-                        length,
-                        tuple(b.checksums[cs : cs + n_chunks].tolist()),
-                    ),
-                )
-            )
+            out.append(SavedBox(
+                key,
+                Box(tuple(b.offsets[s : s + nd].tolist()), tuple(b.lengths[s : s + nd].tolist())),
+                ByteMeta(self.files[f].name, off, length, tuple(b.checksums[cs : cs + n_chunks].tolist())),
+            ))
         return out
 
     def file(self, name: str) -> FileMeta:

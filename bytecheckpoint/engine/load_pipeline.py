@@ -94,6 +94,24 @@ def copy_out(read: BoxRead, non_blocking: bool = False) -> None:
             dst.copy_(src)
 
 
+def contiguous_runs(units: list[tuple[int, ReadUnit]], limit: int) -> list[list[tuple[int, ReadUnit]]]:
+    """Split ``(index, unit)`` pairs (in file order) into runs of units that lie back to back
+    in one file, each at most ``limit`` bytes unless one unit alone is larger. A run is one
+    sequential read: a checkpoint of many small tensors is read in a few large requests."""
+    runs: list[list[tuple[int, ReadUnit]]] = []
+    end, size, file = -1, 0, -1
+    for j, u in units:
+        start = u.box_offset + u.start
+        if runs and u.file == file and start == end and size + u.nbytes <= limit:
+            runs[-1].append((j, u))
+            size += u.nbytes
+        else:
+            runs.append([(j, u)])
+            size = u.nbytes
+        end, file = u.box_offset + u.stop, u.file
+    return runs
+
+
 @dataclass
 class PipelineResult:
     bytes_read: int
@@ -135,15 +153,32 @@ class LoadPipeline:
         return read.buffer[u.start - read.lo : u.stop - read.lo]
 
     # -- reading -------------------------------------------------------------------------
-    def _read(self, u: ReadUnit) -> None:
+    def _read(self, units: list[ReadUnit]) -> None:
+        """Read units that lie back to back in one file with one request, then check each."""
+        first = self.mine[units[0].box]
+        full = posixpath.join(self.path, first.file)
+        offset = units[0].box_offset + units[0].start
+        targets = []
+        for u in units:
+            dst = self._slice(u)
+            host = dst if dst.device.type == "cpu" else torch.empty(
+                u.nbytes, dtype=torch.uint8, pin_memory=True)
+            targets.append((u, dst, host, memoryview(host.numpy()) if u.nbytes else memoryview(b"")))
+        with span("load.read", path=full, bytes=sum(u.nbytes for u in units)):
+            if len(targets) == 1:  # one large range: the backend splits it over threads
+                got = self.storage.read_into(full, offset, targets[0][3])
+            else:
+                got = self.storage.read_into_many(full, offset, [t[3] for t in targets])
+        for u, dst, host, view in targets:
+            have, got = max(0, min(got, u.nbytes)), got - u.nbytes
+            self._check(u, full, view, have)
+            if host is not dst:
+                with span("load.h2d", bytes=u.nbytes):
+                    dst.copy_(host, non_blocking=True)
+                    torch.cuda.current_stream(dst.device).synchronize()
+
+    def _check(self, u: ReadUnit, full: str, view: memoryview, got: int) -> None:
         read = self.mine[u.box]
-        full = posixpath.join(self.path, read.file)
-        dst = self._slice(u)
-        host = dst if dst.device.type == "cpu" else torch.empty(
-            u.nbytes, dtype=torch.uint8, pin_memory=True)
-        view = memoryview(host.numpy()) if u.nbytes else memoryview(b"")
-        with span("load.read", path=full, bytes=u.nbytes):
-            got = self.storage.read_into(full, read.byte_offset + u.start, view)
         if got != u.nbytes:
             raise CorruptCheckpointError(
                 f"{self.storage.url(full)}: truncated: wanted {u.nbytes} bytes at "
@@ -157,15 +192,17 @@ class LoadPipeline:
                 f"{read.byte_offset + u.start}..{read.byte_offset + u.stop}); the file is "
                 "corrupt: restore it or load another checkpoint"
             )
-        if host is not dst:
-            with span("load.h2d", bytes=u.nbytes):
-                dst.copy_(host, non_blocking=True)
-                torch.cuda.current_stream(dst.device).synchronize()
 
     def _submit(self, pool: ThreadPoolExecutor,
                 window: list[ReadUnit]) -> list[tuple[int, ReadUnit, Future]]:
         self._allocate(window)
-        return [(j, u, pool.submit(self._read, u)) for j, u in enumerate(window) if u.reader == self.rank]
+        mine = [(j, u) for j, u in enumerate(window) if u.reader == self.rank]
+        limit = max(1, self.window_bytes // max(1, self.threads))
+        out = []
+        for run in contiguous_runs(mine, limit):
+            future = pool.submit(self._read, [u for _, u in run])
+            out.extend((j, u, future) for j, u in run)
+        return out
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:

@@ -52,6 +52,19 @@ class Storage(abc.ABC):
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         """Fill ``buffer`` from ``path`` starting at ``offset``; return bytes read."""
 
+    def read_into_many(self, path: str, offset: int, buffers: list[memoryview]) -> int:
+        """Fill ``buffers`` in order from one contiguous range of ``path`` starting at
+        ``offset`` (a vectored read); return the bytes read, short only at end of file.
+        Backends that can read a range in one request override this."""
+        total = 0
+        for buffer in buffers:
+            want = len(memoryview(buffer).cast("B"))
+            got = self.read_into(path, offset + total, buffer)
+            total += got
+            if got < want:
+                break
+        return total
+
     @abc.abstractmethod
     def size(self, path: str) -> int:
         """Size in bytes; raises FileNotFoundError if ``path`` is not a file."""

@@ -45,6 +45,38 @@ def _pread_all(fd: int, offset: int, buffer: memoryview) -> int:
     return total
 
 
+_IOV_MAX = 1024  # buffers per preadv call (Linux's UIO_MAXIOV)
+
+
+def _preadv_all(fd: int, offset: int, views: list[memoryview]) -> int:
+    """Fill ``views`` in order from ``offset``, a few MiB per call; short only at EOF."""
+    total, i, skip = 0, 0, 0  # views[i][skip:] is the next byte to fill
+    while i < len(views):
+        batch, size = [], 0
+        j = i
+        while j < len(views) and len(batch) < _IOV_MAX and size < _READ_CALL:
+            part = views[j][skip:] if j == i else views[j]
+            part = part[: _READ_CALL - size]
+            batch.append(part)
+            size += len(part)
+            if len(part) < len(views[j]) - (skip if j == i else 0):
+                break  # this view continues in the next call
+            j += 1
+        n = os.preadv(fd, batch, offset + total)
+        if n == 0:
+            break
+        total += n
+        while i < len(views) and n > 0:  # advance past what this call filled
+            left = len(views[i]) - skip
+            if n >= left:
+                n, i, skip = n - left, i + 1, 0
+            else:
+                skip, n = skip + n, 0
+        while i < len(views) and len(views[i]) == 0:
+            i += 1
+    return total
+
+
 class _LocalWriter(Writer):
     def __init__(self, path: str, fsync: bool, transfer: TransferSettings) -> None:
         self._path = path
@@ -116,6 +148,17 @@ class LocalStorage(Storage):
                 os.close(fd)
 
         return parallel.read_parts(read_part, offset, buffer, self.transfer)
+
+    def read_into_many(self, path: str, offset: int, buffers: list[memoryview]) -> int:
+        # One descriptor and one sequential pass: the kernel's readahead sees one stream,
+        # where a read per buffer would open the file again and restart it each time.
+        views = [memoryview(b).cast("B") for b in buffers]
+        fd = os.open(self._os_path(path), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, offset, sum(len(v) for v in views), os.POSIX_FADV_SEQUENTIAL)
+            return _preadv_all(fd, offset, views)
+        finally:
+            os.close(fd)
 
     def size(self, path: str) -> int:
         path = self._os_path(path)

@@ -29,6 +29,12 @@ class StorageWrapper(Storage):
         return self._call("read_into", path, lambda: self.inner.read_into(path, offset, buffer),
                           nbytes=len(memoryview(buffer).cast("B")))
 
+    def read_into_many(self, path: str, offset: int, buffers: list[memoryview]) -> int:
+        # The same operation as far as retries, events and faults go: a positional read.
+        nbytes = sum(len(memoryview(b).cast("B")) for b in buffers)
+        return self._call("read_into", path, lambda: self.inner.read_into_many(path, offset, buffers),
+                          nbytes=nbytes)
+
     def size(self, path: str) -> int:
         return self._call("size", path, lambda: self.inner.size(path))
 
