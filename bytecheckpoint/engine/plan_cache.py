@@ -43,16 +43,23 @@ class CacheEntry:
         return f"{self.plan_id}n{self.seq + 1}"
 
 
-def structure_key(local: LocalSavePlan, *, framework: str, layout: dict, kinds: dict[str, str],
-                  global_ranks: list[int], chunk_bytes: int) -> str:
+def boxes_digest(items: list[WriteItem]) -> bytes:
+    """A digest of a local plan's boxes (key, dtype, global shape, offsets, lengths), taken
+    while the local plan is collected so that a cache hit has nothing left to walk."""
+    # marshal: one C-level serialisation of plain tuples (the digest never leaves this process)
+    return xxhash.xxh3_128_digest(marshal.dumps(
+        [(i.key, i.dtype, i.shape, i.box.offsets, i.box.lengths) for i in items]))
+
+
+def structure_key(local: LocalSavePlan, boxes: bytes, *, framework: str, layout: dict,
+                  kinds: dict[str, str], global_ranks: list[int], chunk_bytes: int) -> str:
     """A hash of everything the global plan depends on, besides sizes of packed objects
-    (they only tilt the balance, never the correctness, of a plan)."""
+    (they only tilt the balance, never the correctness, of a plan). ``boxes`` is
+    :func:`boxes_digest` of ``local.items``."""
     h = xxhash.xxh3_128()
     h.update(repr((framework, sorted(layout.items()), sorted(kinds.items()), global_ranks, local.rank,
                    chunk_bytes, sorted(local.shared))).encode())
-    # marshal: one C-level serialisation of plain tuples (the key never leaves this process)
-    h.update(marshal.dumps([(i.key, i.dtype, i.shape, i.box.offsets, i.box.lengths)
-                            for i in local.items]))
+    h.update(boxes)
     return h.hexdigest()
 
 

@@ -56,7 +56,7 @@ from ..state import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
 from . import plan_cache
 from .async_save import SaveHandle, set_pending, wait_pending
-from .plan_cache import CacheEntry, structure_key
+from .plan_cache import CacheEntry, boxes_digest, structure_key
 from .save_metadata import RankWrite, build_metadata, metadata_template
 from .staging import Stager
 from .writer import tensor_bytes, write_rank
@@ -109,6 +109,7 @@ class _Job:
     local: LocalSavePlan | None = None
     blobs: dict[str, bytes] = field(default_factory=dict)
     key: str = ""
+    boxes_digest: bytes = b""
     global_plan: GlobalSavePlan | None = None  # coordinator, after planning
 
 
@@ -140,6 +141,7 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     job.flat, job.framework, job.blobs = flat, planner.name, blobs
     job.layout = planner.layout(flat, comm)
     job.local = LocalSavePlan(comm.rank, items, own_bytes, shared)
+    job.boxes_digest = boxes_digest(items)
 
 
 # -- the coordinator's side of the first round -----------------------------------------------
@@ -417,7 +419,8 @@ def _save(url: str, state: dict[str, Any], framework: str | None, step: int | No
         t = time.perf_counter()
         with span("save.plan") as plan_span:
             if local_error is None:
-                job.key = structure_key(job.local, framework=job.framework, layout=job.layout,
+                job.key = structure_key(job.local, job.boxes_digest, framework=job.framework,
+                                        layout=job.layout,
                                         kinds=job.flat.kinds, global_ranks=comm.global_ranks,
                                         chunk_bytes=chunk_bytes)
             entry = plan_cache.get(comm.global_ranks)
