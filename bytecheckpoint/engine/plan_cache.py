@@ -44,12 +44,13 @@ class CacheEntry:
 
 
 def structure_key(local: LocalSavePlan, *, framework: str, layout: dict, kinds: dict[str, str],
-                  global_ranks: list[int], chunk_bytes: int) -> str:
+                  global_ranks: list[int], chunk_bytes: int, files: str = "rank") -> str:
     """A hash of everything the global plan depends on, besides sizes of packed objects
-    (they only tilt the balance, never the correctness, of a plan)."""
+    (they only tilt the balance, never the correctness, of a plan). ``files`` is the file
+    layout (``rank`` or ``host<size>``): the cached metadata template follows it."""
     h = xxhash.xxh3_128()
     h.update(repr((framework, sorted(layout.items()), sorted(kinds.items()), global_ranks, local.rank,
-                   chunk_bytes, sorted(local.shared))).encode())
+                   chunk_bytes, sorted(local.shared), files)).encode())
     # marshal: one C-level serialisation of plain tuples (the key never leaves this process)
     h.update(marshal.dumps([(i.key, i.dtype, i.shape, i.box.offsets, i.box.lengths)
                             for i in local.items]))
