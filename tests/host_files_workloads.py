@@ -69,6 +69,15 @@ def sync_cached_and_async(root: str) -> dict[str, Any]:
     return out
 
 
+def save_once(root: str) -> dict[str, torch.Tensor]:
+    """One synchronous host-files save of FSDP2 + AdamW state to ``root``/h (any backend)."""
+    plan_cache.clear()
+    model, optim = w.make_fsdp2(seed=0)
+    w.train_step(model, optim, 0, dist.get_rank())
+    bcp.save(f"{root}/h", _state(model, optim, 1), framework="fsdp2", step=1, **HOST)
+    return _tensors(w.full_state(model, optim))
+
+
 def _failing_source(fail_at: int) -> Any:
     """``tensor_bytes`` (where a synchronous save reads a CPU tensor) failing at call
     ``fail_at``: a read error in the middle of a member's stream."""
