@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import bytecheckpoint as bcp
-from bytecheckpoint.engine import plan_cache
+from bytecheckpoint.engine import host_files, plan_cache
 from bytecheckpoint.engine import save as save_engine
 from bytecheckpoint.storage import faults
 from tests import workloads as w
@@ -69,12 +69,19 @@ def sync_cached_and_async(root: str) -> dict[str, Any]:
     return out
 
 
-def save_once(root: str) -> dict[str, torch.Tensor]:
-    """One synchronous host-files save of FSDP2 + AdamW state to ``root``/h (any backend)."""
+def save_once(root: str, block: int | None = None, chunk_bytes: int = 4 << 20) -> dict[str, torch.Tensor]:
+    """One synchronous host-files save of FSDP2 + AdamW state to ``root``/h (any backend).
+    ``block``: members send in blocks of this many bytes (many blocks per piece)."""
     plan_cache.clear()
     model, optim = w.make_fsdp2(seed=0)
     w.train_step(model, optim, 0, dist.get_rank())
-    bcp.save(f"{root}/h", _state(model, optim, 1), framework="fsdp2", step=1, **HOST)
+    default = host_files.TRANSFER_BYTES
+    host_files.TRANSFER_BYTES = block or default
+    try:
+        bcp.save(f"{root}/h", _state(model, optim, 1), framework="fsdp2", step=1,
+                 chunk_bytes=chunk_bytes, **HOST)
+    finally:
+        host_files.TRANSFER_BYTES = default
     return _tensors(w.full_state(model, optim))
 
 

@@ -132,16 +132,36 @@ def test_host_files_from_the_environment_and_each_byte_read_once(world, tmp_path
     assert max(per_rank) <= 1.3 * sum(per_rank) / 4, per_rank
 
 
-def test_host_files_on_s3(world):
-    """Object stores commit by writing the metadata last (no rename): the same host files."""
+def test_host_files_on_s3_streamed_in_many_blocks(world):
+    """Object stores commit by writing the metadata last (no rename): the same host files.
+    Members send in 2 KiB blocks of 512-byte checksum chunks, so large pieces cross many
+    blocks, and every chunk's checksum must still line up."""
     root = s3_root("hf")
-    ref = world(4).run(hw.save_once, root)[0]
+    ref = world(4).run(hw.save_once, root, 2048, 512)[0]
     meta = read_metadata(*resolve(f"{root}/h"))
     assert sorted(f.name for f in meta.files) == HOST_FILES
+    assert meta.chunk_bytes == 512 and int(meta.boxes.byte_length.max()) > 4 * 2048
     assert not bcp.verify(f"{root}/h")
     for rank, got in enumerate(world(4).run(sw.load_step, root, "h")):
         _same_tensors(ref, got["state"])
         assert got["extra"] == {"step": 1, "rank": rank}
+
+
+def test_structure_change_on_one_host_replans_with_host_files(world, tmp_path):
+    """Rank 1 alone adds a tensor: host 0 cannot use its cached plan, host 1 can and writes,
+    the coordinator has every rank plan again, and the save completes."""
+    env = {"BCP_FILES_PER": "host", "BCP_COMM_HOST_SIZE": "2"}
+    results = world(4).run(hw.with_env, env, "tests.save_workloads", "structure_changes_on_one_rank",
+                           str(tmp_path), False)
+    for r in results:
+        assert r["second"] == ("saved", False)
+    assert _storage_files(str(tmp_path / "second")) == [f"model-h0000{h}.safetensors" for h in (0, 1)]
+    w_, b = torch.zeros(8, 4), torch.zeros(3)
+    target = {"w": bcp.TensorShard(w_, (8, 4)), "b": bcp.TensorShard(b, (3,))}
+    bcp.load(str(tmp_path / "second"), {"model": target})
+    assert torch.equal(b, torch.full((3,), 7.0))
+    assert torch.equal(w_, torch.cat([torch.arange(8.0).reshape(2, 4) + 10 * r for r in range(4)]))
+    assert not [n for n in os.listdir(tmp_path) if ".staging-" in n]
 
 
 def test_single_process_host_files_and_bad_settings(tmp_path, monkeypatch):
