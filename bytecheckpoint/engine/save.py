@@ -62,7 +62,7 @@ from .host_files import HostLayout
 from .plan_cache import CacheEntry, structure_key
 from .save_metadata import RankWrite, build_metadata, metadata_template
 from .staging import Stager
-from .writer import rank_entries, tensor_bytes, write_rank
+from .writer import Entry, rank_entries, tensor_bytes, write_rank
 
 
 @dataclass
@@ -324,7 +324,7 @@ def _write_host(job: _Job, host: HostLayout, assignment: _Assignment, sources: _
     """files_per="host": a failure before the exchange still goes to the host's exchange, so
     the leader and the members always meet (see ``host_files``)."""
     leader = job.comm.rank == host.leader
-    pairs: list = []
+    pairs: list[tuple[Entry, Callable[[], memoryview]]] = []
     error: BaseException | None = None
     try:
         if makedirs and leader:  # members create nothing: they write no files
