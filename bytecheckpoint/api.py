@@ -31,6 +31,8 @@ def save(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fqn_map: Callable[[str], str] | None = None,
     async_save: bool = False,
+    files_per: str | None = None,
+    host_size: int | None = None,
 ) -> SaveResult | SaveHandle:
     """Save ``state`` to the checkpoint directory ``path``; every rank must call it.
 
@@ -53,13 +55,19 @@ def save(
             tensors may change meanwhile. ``handle.wait()`` returns the ``SaveResult`` or raises
             the save's error. The next save (or load) waits for this one first; call
             ``wait()`` before ``destroy_process_group()``.
+        files_per: ``"rank"`` (default, or ``BCP_FILES_PER``): one storage file per rank and
+            kind; ``"host"``: one per host and kind, written by the host's first rank from
+            the bytes its other ranks send it (fewer files for the file system's metadata
+            server; any backend). Must be the same on every rank.
+        host_size: ranks per host for ``files_per="host"`` (default ``BCP_COMM_HOST_SIZE``,
+            else ``LOCAL_WORLD_SIZE``); hosts are blocks of consecutive ranks.
 
     A save whose state structure is unchanged since this process group's last save reuses
     that save's plan and sends no planning messages (``SaveResult.cached_plan``).
     """
     return _save(path, state, framework=framework, step=step, user_metadata=user_metadata,
                  process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes,
-                 fqn_map=fqn_map, async_save=async_save)
+                 fqn_map=fqn_map, async_save=async_save, files_per=files_per, host_size=host_size)
 
 
 def load(

@@ -28,6 +28,7 @@ import os
 import pickle
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -133,6 +134,12 @@ def _env_int(name: str, default: int | None) -> int | None:
     return int(raw) if raw not in (None, "") else default
 
 
+def host_size_setting(explicit: int | None = None) -> int | None:
+    """Ranks per host: ``explicit``, else ``BCP_COMM_HOST_SIZE``, else ``LOCAL_WORLD_SIZE``
+    (torchrun sets it); None when none is known. Hosts are blocks of consecutive ranks."""
+    return explicit or _env_int("BCP_COMM_HOST_SIZE", None) or _env_int("LOCAL_WORLD_SIZE", None)
+
+
 def tree_settings(world: int, *, tree: bool | None = None, host_size: int | None = None,
                   fanout: int | None = None) -> tuple[int, int] | None:
     """``(host_size, fanout)`` when ``world`` ranks coordinate through a tree, else None."""
@@ -147,7 +154,7 @@ def tree_settings(world: int, *, tree: bool | None = None, host_size: int | None
     if not tree or world < 2:
         return None
     fan = fanout or _env_int("BCP_COMM_FANOUT", DEFAULT_FANOUT) or DEFAULT_FANOUT
-    host = host_size or _env_int("BCP_COMM_HOST_SIZE", None) or _env_int("LOCAL_WORLD_SIZE", None) or fan
+    host = host_size_setting(host_size) or fan
     return max(1, host), max(2, fan)
 
 
@@ -229,6 +236,27 @@ class Communicator:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, outcome, group=self.group)
         return out
+
+    # -- point to point (group ranks), for the tree and for host files ----------------------
+    def send_object(self, obj: Any, to: int) -> None:
+        """Send a picklable value to group rank ``to`` (which calls ``recv_object``)."""
+        self._send(obj, to)
+
+    def recv_object(self, src: int) -> Any:
+        return pickle.loads(self._recv_raw(src))
+
+    def send_tensor(self, tensor: torch.Tensor, to: int, timeout: timedelta | None = None) -> None:
+        """Send a contiguous CPU tensor; the receiver posts a tensor of the same size.
+        ``timeout`` replaces the group's timeout for this send (gloo sends wait for the
+        receiver to post its receive)."""
+        work = dist.isend(tensor, group=self.group, group_dst=to)
+        if work is not None:
+            work.wait() if timeout is None else work.wait(timeout)
+
+    def recv_tensor(self, tensor: torch.Tensor, src: int, timeout: timedelta | None = None) -> None:
+        work = dist.irecv(tensor, group=self.group, group_src=src)
+        if work is not None:
+            work.wait() if timeout is None else work.wait(timeout)
 
     # -- the tree: point-to-point sends of pickled bytes along TreeNode edges ---------------
     def _send(self, obj: Any, to: int, raw: bytes | None = None) -> None:

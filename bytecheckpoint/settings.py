@@ -39,6 +39,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BCP_COMM_HOST_SIZE", "bytecheckpoint/comm.py", "LOCAL_WORLD_SIZE",
             "ranks per host in the coordination tree (blocks of consecutive ranks)"),
     Setting("BCP_COMM_FANOUT", "bytecheckpoint/comm.py", "16", "children per leader above the host level"),
+    Setting("BCP_FILES_PER", "bytecheckpoint/engine/host_files.py", "rank",
+            "default of save(files_per=): rank (a storage file per rank and kind) or host (per "
+            "host and kind, hosts of BCP_COMM_HOST_SIZE / LOCAL_WORLD_SIZE ranks)"),
     Setting("BCP_GC_PAUSE", "bytecheckpoint/gc_pause.py", "1",
             "0 keeps Python's garbage collector running during a save's foreground and loads"),
     Setting("BCP_STORAGE_RETRY_ATTEMPTS", _S3, "6", "attempts of a storage operation that fails transiently"),

@@ -13,8 +13,8 @@ each stage. Ranks' writes are synthesised from the plan (byte offsets in plan or
 checksum per 4 MiB chunk), so the metadata has the size a real save's would.
 
 It also counts the storage files and file-system metadata operations a save makes, per rank
-(one file per rank and kind, today's engine) and per host (one file per host and kind, what
-``files_per="host"`` would make), because thousands of small files load a file system's
+(one file per rank and kind, the engine's default) and per host (one file per host and kind,
+what ``save(..., files_per="host")`` makes, same names), because thousands of small files load a file system's
 metadata server (HDFS NameNode) more than their bytes load its data nodes.
 """
 

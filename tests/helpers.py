@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import struct
 from typing import Any
 
 import torch
@@ -22,3 +25,15 @@ def assert_same_state(ref: dict[str, Any], got: dict[str, Any]) -> None:
             assert same_bits(value, got[key]), f"{key} differs"
         else:
             assert value == got[key], f"{key}: {value!r} != {got[key]!r}"
+
+
+def payload_bytes(ckpt_dir: str) -> int:
+    """Sizes of the storage files without their safetensors headers (never read on load)."""
+    total = 0
+    for name in os.listdir(ckpt_dir):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(ckpt_dir, name), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                json.loads(f.read(n))
+            total += os.path.getsize(os.path.join(ckpt_dir, name)) - 8 - n
+    return total

@@ -4,17 +4,13 @@ needs every byte) is tested end to end against the checkpoint's own size."""
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bytecheckpoint.engine.read_plan import Need, plan_reads, windows
 from bytecheckpoint.integrity import read_metadata, resolve
 from tests import workloads as w
-from tests.helpers import assert_same_state
+from tests.helpers import assert_same_state, payload_bytes
 
 
 @st.composite
@@ -75,18 +71,6 @@ def test_windows_never_split_a_box():
     assert [[u.box_offset for u in g] for g in groups] == [[0, 0, 0], [100]]
 
 
-def _payload_bytes(ckpt_dir: str) -> int:
-    """Sizes of the storage files without their safetensors headers (never read on load)."""
-    total = 0
-    for name in os.listdir(ckpt_dir):
-        if name.endswith(".safetensors"):
-            with open(os.path.join(ckpt_dir, name), "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                json.loads(f.read(n))
-            total += os.path.getsize(os.path.join(ckpt_dir, name)) - 8 - n
-    return total
-
-
 def test_ddp_load_on_4_ranks_reads_the_checkpoint_exactly_once(world, tmp_path):
     root = str(tmp_path / "ddp")
     saved = world(4).run(w.ddp_train_save, root, 2)
@@ -97,6 +81,6 @@ def test_ddp_load_on_4_ranks_reads_the_checkpoint_exactly_once(world, tmp_path):
         assert_same_state(saved[0]["ref"], r["state"])
     per_rank = [r["bytes_read"] for r in loaded]
     # Every rank needs all of it; together they read it once (DCP would read it 4 times).
-    assert sum(per_rank) == _payload_bytes(path)
+    assert sum(per_rank) == payload_bytes(path)
     assert sum(per_rank) <= meta.total_bytes
     assert max(per_rank) <= 1.3 * sum(per_rank) / 4, per_rank

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..checksums import chunk_checksums
@@ -21,13 +21,18 @@ _WRITE_BLOCK = 16 << 20
 
 @dataclass(frozen=True)
 class Piece:
-    """One entry of a storage file; ``source()`` returns its bytes when it is written."""
+    """One entry of a storage file; ``source()`` returns its bytes when it is written.
+
+    ``parts``, when given instead, yields the bytes in blocks whose lengths are multiples of
+    the checksum chunk (but the last): a piece another rank streams to this one, which is
+    never held whole in memory (see ``host_files``)."""
 
     name: str
     code: str  # safetensors dtype code
     shape: tuple[int, ...]
     nbytes: int
-    source: Callable[[], memoryview]
+    source: Callable[[], memoryview] | None
+    parts: Callable[[], Iterable[memoryview]] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,16 +64,16 @@ def write_file(
         writer.write(head)
         offset = len(head)
         for p in pieces:
-            data = memoryview(p.source()).cast("B")
-            if len(data) != p.nbytes:
-                raise RuntimeError(f"{p.name}: produced {len(data)} bytes, planned {p.nbytes}")
             sums: list[int] = []
-            # Blocks are multiples of the checksum chunk, so chunk boundaries line up.
-            block = max(chunk_bytes, (_WRITE_BLOCK // chunk_bytes) * chunk_bytes)
-            for start in range(0, len(data), block):
-                part = data[start : start + block]
+            done = 0
+            for part in _blocks(p, chunk_bytes):
+                if done % chunk_bytes:  # a short block that was not the last one
+                    raise RuntimeError(f"{p.name}: a block of {len(part)} bytes breaks the checksum chunks")
                 sums.extend(chunk_checksums(part, chunk_bytes))
                 writer.write(part)
+                done += len(part)
+            if done != p.nbytes:
+                raise RuntimeError(f"{p.name}: produced {done} bytes, planned {p.nbytes}")
             written.append(WrittenPiece(offset, p.nbytes, tuple(sums)))
             offset += p.nbytes
     except BaseException:
@@ -76,3 +81,23 @@ def write_file(
         raise
     size = writer.commit()
     return size, written
+
+
+def _blocks(p: Piece, chunk_bytes: int) -> Iterator[memoryview]:
+    if p.parts is not None:
+        for part in p.parts():
+            yield memoryview(part).cast("B")
+        return
+    assert p.source is not None
+    data = memoryview(p.source()).cast("B")
+    if len(data) != p.nbytes:
+        raise RuntimeError(f"{p.name}: produced {len(data)} bytes, planned {p.nbytes}")
+    # Blocks are multiples of the checksum chunk, so chunk boundaries line up.
+    block = transfer_block(chunk_bytes, _WRITE_BLOCK)
+    for start in range(0, len(data), block):
+        yield data[start : start + block]
+
+
+def transfer_block(chunk_bytes: int, target: int) -> int:
+    """The multiple of ``chunk_bytes`` nearest ``target`` from below (at least one chunk)."""
+    return max(chunk_bytes, (target // chunk_bytes) * chunk_bytes)

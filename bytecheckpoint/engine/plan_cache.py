@@ -52,13 +52,15 @@ def boxes_digest(items: list[WriteItem]) -> bytes:
 
 
 def structure_key(local: LocalSavePlan, boxes: bytes, *, framework: str, layout: dict,
-                  kinds: dict[str, str], global_ranks: list[int], chunk_bytes: int) -> str:
+                  kinds: dict[str, str], global_ranks: list[int], chunk_bytes: int,
+                  files: str = "rank") -> str:
     """A hash of everything the global plan depends on, besides sizes of packed objects
     (they only tilt the balance, never the correctness, of a plan). ``boxes`` is
-    :func:`boxes_digest` of ``local.items``."""
+    :func:`boxes_digest` of ``local.items``; ``files`` is the file layout (``rank`` or
+    ``host<size>``): the cached metadata template follows it."""
     h = xxhash.xxh3_128()
     h.update(repr((framework, sorted(layout.items()), sorted(kinds.items()), global_ranks, local.rank,
-                   chunk_bytes, sorted(local.shared))).encode())
+                   chunk_bytes, sorted(local.shared), files)).encode())
     h.update(boxes)
     return h.hexdigest()
 

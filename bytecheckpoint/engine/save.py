@@ -7,7 +7,9 @@
                      each rank's assignment and the staging directory
   3. stage           async saves and device tensors: copy the assigned boxes into the host
                      arena (``staging``); a synchronous save of CPU tensors writes in place
-  4. write           every rank writes its storage files (checksums computed as it writes)
+  4. write           every rank writes its storage files (checksums computed as it writes);
+                     with files_per="host", each host's first rank writes one file per kind
+                     from the bytes its other ranks stream to it (``host_files``)
   5. commit          coordinator: metadata last, rename into place, move ``latest``
 Steps 4-5 run on a background thread for ``async_save=True``; ``save`` returns after 3.
 Every collective carries values or errors, so every rank returns the same result or raises,
@@ -54,12 +56,13 @@ from ..planning import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_ob
 from ..sharding import Box
 from ..state import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
-from . import plan_cache
+from . import host_files, plan_cache
 from .async_save import SaveHandle, set_pending, wait_pending
+from .host_files import HostLayout
 from .plan_cache import CacheEntry, boxes_digest, structure_key
 from .save_metadata import RankWrite, build_metadata, metadata_template
 from .staging import Stager
-from .writer import tensor_bytes, write_rank
+from .writer import Entry, rank_entries, tensor_bytes, write_rank
 
 
 @dataclass
@@ -101,6 +104,7 @@ class _Job:
     chunk_bytes: int
     async_save: bool
     t0: float
+    host: HostLayout | None = None  # files_per="host": this rank's host
     phases: dict[str, float] = field(default_factory=dict)
     flat: FlatState | None = None
     framework: str = ""
@@ -283,28 +287,57 @@ class _Sources:
         return thread
 
 
+def _prepare(job: _Job, assignment: _Assignment) -> None:
+    """A cached plan: no coordinator created the staging directory this time."""
+    storage = job.storage
+    if storage.exists(job.path) and not job.overwrite:
+        raise CheckpointExistsError(
+            f"{storage.url(job.path)} already holds a checkpoint; choose a new path or "
+            "pass overwrite=True"
+        )
+    storage.makedirs(assignment.staging)
+
+
+def _objects(job: _Job, assignment: _Assignment) -> dict[str, bytes]:
+    mine = {f"shared:{k}" for k in assignment.shared_keys}
+    return {n: b for n, b in job.blobs.items() if n.startswith("rank:") or n in mine}
+
+
 def _write(job: _Job, assignment: _Assignment, sources: _Sources, makedirs: bool
            ) -> tuple[RankWrite | None, BaseException | None]:
     t = time.perf_counter()
     try:
-        storage = job.storage
-        if makedirs:  # a cached plan: no coordinator created the directory this time
-            if storage.exists(job.path) and not job.overwrite:
-                raise CheckpointExistsError(
-                    f"{storage.url(job.path)} already holds a checkpoint; choose a new path or "
-                    "pass overwrite=True"
-                )
-            storage.makedirs(assignment.staging)
-        mine = {f"shared:{k}" for k in assignment.shared_keys}
-        objects = {n: b for n, b in job.blobs.items() if n.startswith("rank:") or n in mine}
+        if job.host is not None:
+            return _write_host(job, job.host, assignment, sources, makedirs), None
+        if makedirs:
+            _prepare(job, assignment)
         assert job.flat is not None
-        written = write_rank(storage, assignment.staging, assignment.items, sources.fns, job.flat,
-                             objects, job.comm.rank, job.chunk_bytes)
+        written = write_rank(job.storage, assignment.staging, assignment.items, sources.fns, job.flat,
+                             _objects(job, assignment), job.comm.rank, job.chunk_bytes)
         return written, None
     except Exception as exc:
         return None, exc
     finally:
         job.phases["write"] = job.phases.get("write", 0.0) + time.perf_counter() - t
+
+
+def _write_host(job: _Job, host: HostLayout, assignment: _Assignment, sources: _Sources,
+                makedirs: bool) -> RankWrite:
+    """files_per="host": a failure before the exchange still goes to the host's exchange, so
+    the leader and the members always meet (see ``host_files``)."""
+    leader = job.comm.rank == host.leader
+    pairs: list[tuple[Entry, Callable[[], memoryview]]] = []
+    error: BaseException | None = None
+    try:
+        if makedirs and leader:  # members create nothing: they write no files
+            _prepare(job, assignment)
+        assert job.flat is not None
+        pairs = rank_entries(assignment.items, sources.fns, job.flat, _objects(job, assignment),
+                             job.comm.rank, tag_rank_objects=True)
+    except Exception as exc:
+        error = exc
+    return host_files.write_host(job.comm, host, job.storage, assignment.staging, pairs, error,
+                                 job.chunk_bytes)
 
 
 def _commit_round(job: _Job, assignment: _Assignment, written: RankWrite | None,
@@ -388,17 +421,19 @@ def save(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fqn_map: Callable[[str], str] | None = None,
     async_save: bool = False,
+    files_per: str | None = None,
+    host_size: int | None = None,
 ) -> SaveResult | SaveHandle:
     wait_pending()  # one save at a time: the arena and the save group are never shared
     with gc_paused():  # the foreground part: all of a synchronous save, an async one's snapshot
         return _save(url, state, framework, step, user_metadata, process_group, overwrite,
-                     chunk_bytes, fqn_map, async_save)
+                     chunk_bytes, fqn_map, async_save, files_per, host_size)
 
 
 def _save(url: str, state: dict[str, Any], framework: str | None, step: int | None,
           user_metadata: dict[str, Any] | None, process_group: Any, overwrite: bool,
-          chunk_bytes: int, fqn_map: Callable[[str], str] | None, async_save: bool
-          ) -> SaveResult | SaveHandle:
+          chunk_bytes: int, fqn_map: Callable[[str], str] | None, async_save: bool,
+          files_per: str | None, host_size: int | None) -> SaveResult | SaveHandle:
     t0 = time.perf_counter()
     comm = Communicator(process_group, dedicated=True)
     storage, path = open_storage(url)
@@ -411,6 +446,7 @@ def _save(url: str, state: dict[str, Any], framework: str | None, step: int | No
         local_error: BaseException | None = None
         with span("save.collect"):
             try:
+                job.host = host_files.resolve(files_per, host_size, comm.rank, comm.world_size)
                 split_checkpoint_path(path)
                 _collect(job, state, framework, fqn_map)
             except Exception as exc:
@@ -422,12 +458,16 @@ def _save(url: str, state: dict[str, Any], framework: str | None, step: int | No
                 job.key = structure_key(job.local, job.boxes_digest, framework=job.framework,
                                         layout=job.layout,
                                         kinds=job.flat.kinds, global_ranks=comm.global_ranks,
-                                        chunk_bytes=chunk_bytes)
+                                        chunk_bytes=chunk_bytes,
+                                        files="rank" if job.host is None else f"host{job.host.size}")
             entry = plan_cache.get(comm.global_ranks)
             # Cached plans write before any coordinator step, so they need a store with an
             # atomic rename; object stores (metadata-last commit) plan every save.
             hit = (local_error is None and entry is not None and entry.key == job.key
                    and storage.commit_mode is CommitMode.RENAME)
+            if job.host is not None:  # a host writes under a cached plan only as a whole
+                hit = host_files.agree_on_hit(
+                    comm, job.host, (entry.plan_id, entry.save_id()) if hit and entry else None)
             plan_span.set(cached=hit)
             if hit:
                 assert entry is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -17,9 +18,10 @@ from telemetry import span
 from ..dtypes import safetensors_code
 from ..metadata import ByteMeta, FileMeta, ObjectMeta
 from ..planning import WriteItem
+from ..sharding import Box
 from ..state import KIND_EXTRA, FlatState
 from ..storage import Storage
-from .files import Piece, write_file
+from .files import Piece, WrittenPiece, write_file
 from .save_metadata import RankWrite, box_columns
 
 KIND_ORDER = ("model", "optim", "extra")
@@ -39,21 +41,65 @@ def entry_name(item: WriteItem) -> str:
     return f"{item.key}@{','.join(map(str, item.box.offsets))}"
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One piece of a storage file and what the metadata will say it is: a tensor box
+    (``box`` set) or a packed object (``owner``: the rank whose object it is, None when it is
+    shared). Plain values, so a host member can send its entries to its leader."""
+
+    kind: str
+    name: str  # the safetensors entry name
+    code: str  # safetensors dtype code
+    shape: tuple[int, ...]
+    nbytes: int
+    key: str
+    box: Box | None = None
+    owner: int | None = None
+
+
+def rank_entries(items: list[WriteItem], sources: list[Callable[[], memoryview]], flat: FlatState,
+                 objects: dict[str, bytes], rank: int, *, tag_rank_objects: bool = False
+                 ) -> list[tuple[Entry, Callable[[], memoryview]]]:
+    """This rank's entries and their byte sources, kind by kind (``KIND_ORDER``), in write
+    order. ``tag_rank_objects`` puts the rank in per-rank objects' entry names, which must be
+    unique when several ranks share a file."""
+    out: list[tuple[Entry, Callable[[], memoryview]]] = []
+    for item, source in zip(items, sources):
+        entry = Entry(flat.kind_of(item.key), entry_name(item), safetensors_code(item.dtype),
+                      item.box.lengths, item.nbytes, item.key, box=item.box)
+        out.append((entry, source))
+    for name, blob in objects.items():
+        scope, key = name.split(":", 1)
+        owner = None if scope == "shared" else rank
+        label = f"rank{rank}:{key}" if tag_rank_objects and owner is not None else name
+        entry = Entry(KIND_EXTRA, f"__object__/{label}", "U8", (len(blob),), len(blob), key, owner=owner)
+        out.append((entry, lambda b=blob: memoryview(b)))
+    out.sort(key=lambda pair: KIND_ORDER.index(pair[0].kind))  # stable: write order within a kind
+    return out
+
+
+def record(entries: list[Entry], fname: str, written: list[WrittenPiece],
+           boxes: list[tuple[str, Box, ByteMeta]], objects: list[ObjectMeta]) -> None:
+    """Append where each of ``entries`` landed in ``fname`` to ``boxes`` / ``objects``."""
+    for entry, w in zip(entries, written):
+        bm = ByteMeta(fname, w.byte_offset, w.byte_length, w.checksums)
+        if entry.box is not None:
+            boxes.append((entry.key, entry.box, bm))
+        else:
+            objects.append(ObjectMeta(entry.key, entry.owner, bm))
+
+
 def write_rank(
     storage: Storage, staging: str, items: list[WriteItem], sources: list[Callable[[], memoryview]],
     flat: FlatState, objects: dict[str, bytes], rank: int, chunk_bytes: int, io_threads: int = 3,
 ) -> RankWrite:
     """Write this rank's files into ``staging``. ``sources[i]`` yields the bytes of ``items[i]``;
     ``objects`` maps ``shared:<key>`` / ``rank:<key>`` to the packed objects this rank writes."""
-    by_kind: dict[str, list[tuple[WriteItem | None, Piece]]] = {k: [] for k in KIND_ORDER}
-    for item, source in zip(items, sources):
-        piece = Piece(entry_name(item), safetensors_code(item.dtype), item.box.lengths, item.nbytes, source)
-        by_kind[flat.kind_of(item.key)].append((item, piece))
-    for name, blob in objects.items():
-        piece = Piece(f"__object__/{name}", "U8", (len(blob),), len(blob), lambda b=blob: memoryview(b))
-        by_kind[KIND_EXTRA].append((None, piece))
+    by_kind: dict[str, list[tuple[Entry, Piece]]] = {k: [] for k in KIND_ORDER}
+    for entry, source in rank_entries(items, sources, flat, objects, rank):
+        by_kind[entry.kind].append((entry, Piece(entry.name, entry.code, entry.shape, entry.nbytes, source)))
 
-    def write_kind(kind: str) -> tuple[FileMeta, list]:
+    def write_kind(kind: str) -> tuple[FileMeta, list[WrittenPiece]]:
         entries = by_kind[kind]
         fname = f"{kind}-{rank:05d}.safetensors"
         with span("save.write", path=fname, kind=kind) as sp:
@@ -69,15 +115,11 @@ def write_rank(
     with ThreadPoolExecutor(max(1, min(io_threads, len(kinds)))) as pool:
         results = list(pool.map(write_kind, kinds))
 
-    files, boxes, objs = [], [], []
+    files: list[FileMeta] = []
+    boxes: list[tuple[str, Box, ByteMeta]] = []
+    objs: list[ObjectMeta] = []
     for kind, (fmeta, written) in zip(kinds, results):
         files.append(fmeta)
-        for (item, piece), w in zip(by_kind[kind], written):
-            bm = ByteMeta(fmeta.name, w.byte_offset, w.byte_length, w.checksums)
-            if item is not None:
-                boxes.append((item.key, item.box, bm))
-            else:
-                scope, key = piece.name[len("__object__/") :].split(":", 1)
-                objs.append(ObjectMeta(key, None if scope == "shared" else rank, bm))
+        record([e for e, _ in by_kind[kind]], fmeta.name, written, boxes, objs)
     # The columns are made here, on every rank at once, not on the coordinator.
     return RankWrite(files, boxes, objs, box_columns(boxes))
