@@ -1,6 +1,7 @@
 """bytecheckpoint vs PyTorch DCP vs torch.save, on one workload, in one run.
 
     .venv/bin/python bench/engine_vs_dcp.py [--small] [--reps 3] [--dir DIR] [--json OUT]
+    .venv/bin/python bench/engine_vs_dcp.py --report RUN1.json RUN2.json ...   # pooled medians
 
 Workload: a GPT-style model (about 300M parameters; ``--small``: about 7M) with AdamW state,
 FSDP2 over 4 CPU processes (gloo). Files are fsync'd by all three (DCP's FileSystemWriter
@@ -549,6 +550,25 @@ def report(limits: dict[str, Any], a: dict[str, Any], b: dict[str, Any], c: dict
     return "\n".join(lines)
 
 
+def pool_runs(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """Several runs' raw figures as one: every repetition of every run in one list, so the
+    medians printed are over all of them; single-valued figures take the median over runs."""
+    def cat(get: Any) -> Any:
+        first = get(runs[0])
+        if isinstance(first, dict):
+            return {k: cat(lambda r, k=k: get(r)[k]) for k in first}
+        if isinstance(first, list):
+            return [x for r in runs for x in get(r)]
+        values = [get(r) for r in runs]
+        if isinstance(first, bool) or not isinstance(first, int | float) or len(set(values)) == 1:
+            return first  # flags, names and counts that every run shares
+        return med(values)
+
+    limits = cat(lambda r: {k: v for k, v in r["limits"].items() if k != "measured"})
+    a, b, c = (cat(lambda r, n=n: r[n]) for n in ("fsdp4", "fsdp2", "ddp4"))
+    return limits, a, b, c
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -556,7 +576,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "bcp-bench-engine"))
     parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--report", nargs="+", metavar="JSON", default=None,
+                        help="run nothing: print one report over the runs saved with --json")
     args = parser.parse_args()
+    if args.report:
+        runs = [json.load(open(path)) for path in args.report]
+        limits, a, b, c = pool_runs(runs)
+        print(f"{len(runs)} runs pooled: every median below is over all their repetitions\n")
+        print(report(limits, a, b, c, runs[0]["state_bytes"]))
+        return
     cfg = SMALL if args.small else FULL
     ddp_cfg = SMALL if args.small else DDP_FULL
     root = os.path.abspath(args.dir)
