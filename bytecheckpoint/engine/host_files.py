@@ -36,9 +36,9 @@ from ..errors import RankFailedError
 from ..metadata import ByteMeta, FileMeta, ObjectMeta
 from ..sharding import Box
 from ..storage import Storage
-from .files import Piece, transfer_block, write_file
+from .files import Piece, transfer_block
 from .save_metadata import RankWrite, box_columns
-from .writer import KIND_ORDER, Entry, record
+from .writer import KIND_ORDER, Entry, pieces_by_kind, record, write_kind_file
 
 FILES_PER_ENV = "BCP_FILES_PER"
 FILES_PER = ("rank", "host")
@@ -237,9 +237,7 @@ def receive_and_write(comm: Communicator, layout: HostLayout, storage: Storage, 
 
 def _write_host(layout: HostLayout, storage: Storage, staging: str, pairs: list[tuple[Entry, Source]],
                 streams: list[_MemberStream], rank: int, chunk_bytes: int) -> RankWrite:
-    by_kind: dict[str, list[tuple[Entry, Piece]]] = {k: [] for k in KIND_ORDER}
-    for entry, source in pairs:
-        by_kind[entry.kind].append((entry, Piece(entry.name, entry.code, entry.shape, entry.nbytes, source)))
+    by_kind = pieces_by_kind(pairs)
     for s in streams:
         kinds = [KIND_ORDER.index(e.kind) for e in s.manifest.entries]
         if kinds != sorted(kinds):  # the leader consumes a member's stream kind by kind
@@ -255,13 +253,9 @@ def _write_host(layout: HostLayout, storage: Storage, staging: str, pairs: list[
     for kind in (k for k in KIND_ORDER if by_kind[k]):
         fname = layout.file_name(kind)
         entries = by_kind[kind]
-        with span("save.write", path=fname, kind=kind, host=layout.host) as sp:
-            size, written = write_file(
-                storage, storage.join(staging, fname), [p for _, p in entries], chunk_bytes,
-                {"format": "bytecheckpoint", "host": str(layout.host), "ranks": ranks, "kind": kind},
-            )
-            sp.set(bytes=size)
-        files.append(FileMeta(fname, size, rank, kind))
+        fmeta, written = write_kind_file(storage, staging, fname, kind, [p for _, p in entries], chunk_bytes,
+                                         {"host": str(layout.host), "ranks": ranks}, rank, host=layout.host)
+        files.append(fmeta)
         record([e for e, _ in entries], fname, written, boxes, objects)
     return RankWrite(files, boxes, objects, box_columns(boxes))
 

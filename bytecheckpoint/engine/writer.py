@@ -89,26 +89,37 @@ def record(entries: list[Entry], fname: str, written: list[WrittenPiece],
             objects.append(ObjectMeta(entry.key, entry.owner, bm))
 
 
+def pieces_by_kind(pairs: list[tuple[Entry, Callable[[], memoryview]]]
+                   ) -> dict[str, list[tuple[Entry, Piece]]]:
+    """Entries grouped into their storage file's kind, each with the piece that writes it."""
+    by_kind: dict[str, list[tuple[Entry, Piece]]] = {k: [] for k in KIND_ORDER}
+    for entry, source in pairs:
+        by_kind[entry.kind].append((entry, Piece(entry.name, entry.code, entry.shape, entry.nbytes, source)))
+    return by_kind
+
+
+def write_kind_file(storage: Storage, staging: str, fname: str, kind: str, pieces: list[Piece],
+                    chunk_bytes: int, header: dict[str, str], rank: int, **span_fields: object
+                    ) -> tuple[FileMeta, list[WrittenPiece]]:
+    """Write one storage file of ``kind`` (a ``save.write`` span); ``rank`` is its writer."""
+    with span("save.write", path=fname, kind=kind, **span_fields) as sp:
+        size, written = write_file(storage, storage.join(staging, fname), pieces, chunk_bytes,
+                                   {"format": "bytecheckpoint", **header, "kind": kind})
+        sp.set(bytes=size)
+    return FileMeta(fname, size, rank, kind), written
+
+
 def write_rank(
     storage: Storage, staging: str, items: list[WriteItem], sources: list[Callable[[], memoryview]],
     flat: FlatState, objects: dict[str, bytes], rank: int, chunk_bytes: int, io_threads: int = 3,
 ) -> RankWrite:
     """Write this rank's files into ``staging``. ``sources[i]`` yields the bytes of ``items[i]``;
     ``objects`` maps ``shared:<key>`` / ``rank:<key>`` to the packed objects this rank writes."""
-    by_kind: dict[str, list[tuple[Entry, Piece]]] = {k: [] for k in KIND_ORDER}
-    for entry, source in rank_entries(items, sources, flat, objects, rank):
-        by_kind[entry.kind].append((entry, Piece(entry.name, entry.code, entry.shape, entry.nbytes, source)))
+    by_kind = pieces_by_kind(rank_entries(items, sources, flat, objects, rank))
 
     def write_kind(kind: str) -> tuple[FileMeta, list[WrittenPiece]]:
-        entries = by_kind[kind]
-        fname = f"{kind}-{rank:05d}.safetensors"
-        with span("save.write", path=fname, kind=kind) as sp:
-            size, written = write_file(
-                storage, storage.join(staging, fname), [p for _, p in entries], chunk_bytes,
-                {"format": "bytecheckpoint", "rank": str(rank), "kind": kind},
-            )
-            sp.set(bytes=size)
-        return FileMeta(fname, size, rank, kind), written
+        return write_kind_file(storage, staging, f"{kind}-{rank:05d}.safetensors", kind,
+                               [p for _, p in by_kind[kind]], chunk_bytes, {"rank": str(rank)}, rank)
 
     kinds = [k for k in KIND_ORDER if by_kind[k]]
     # Files go out concurrently: one file's fsync overlaps another's writes.
