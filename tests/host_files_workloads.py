@@ -29,17 +29,6 @@ def _tensors(ref: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in ref.items() if isinstance(v, torch.Tensor)}
 
 
-def _clobber(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-    """Training goes on: change every tensor a save holds."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-        for s in optim.state.values():
-            for v in s.values():
-                if isinstance(v, torch.Tensor):
-                    v.add_(1.0)
-
-
 def sync_cached_and_async(root: str) -> dict[str, Any]:
     """FSDP2 + AdamW + a per-rank object, saved with host files three times: planned, from
     the plan cache, and async (the tensors change as soon as the handle is returned)."""
@@ -63,7 +52,7 @@ def sync_cached_and_async(root: str) -> dict[str, Any]:
     out["ref3"] = _tensors(w.full_state(model, optim))
     handle = bcp.save(f"{root}/h3", _state(model, optim, 3), framework="fsdp2", step=3,
                       async_save=True, **HOST)
-    _clobber(model, optim)
+    w.clobber(model, optim)
     record(handle.wait())
     out["after_async"] = _tensors(w.full_state(model, optim))
     return out

@@ -136,13 +136,7 @@ def async_snapshot(root: str, saves: int) -> dict[str, Any]:
         handle = bcp.save(f"{root}/step_{step}", _state(model, optim, step), framework="fsdp2",
                           step=step, async_save=True)
         before = [h.done() for h in handles]
-        with torch.no_grad():  # training goes on: clobber everything the save holds
-            for p in model.parameters():
-                p.add_(1.0)
-            for s in optim.state.values():
-                for v in s.values():
-                    if isinstance(v, torch.Tensor):
-                        v.add_(1.0)
+        w.clobber(model, optim)
         refs.append(ref)
         handles.append(handle)
         info.append({"blocking_s": handle.blocking_s, "earlier_done": before})

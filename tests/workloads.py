@@ -184,3 +184,14 @@ def ddp_load(root: str) -> dict[str, Any]:
     optim = torch.optim.AdamW(model.parameters(), lr=5e-4)
     result = bcp.load(root, {"model": model, "optimizer": optim}, framework="ddp")
     return {"state": full_state(model.module, optim), "bytes_read": result.bytes_read}
+
+
+def clobber(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Training goes on: change every tensor a save holds."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        for s in optim.state.values():
+            for v in s.values():
+                if isinstance(v, torch.Tensor):
+                    v.add_(1.0)
