@@ -31,6 +31,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BCP_STORAGE_THREADS", _S3, "4", "concurrent parts / ranged reads per file"),
     Setting("BCP_STORAGE_WRITE_BEHIND_BYTES", _S3, "67108864",
             "local files start writeback every this many bytes while written (0: at fsync only)"),
+    Setting("BCP_STORAGE_DROP_BEHIND", _S3, "1",
+            "1: large local reads and writes drop the page-cache pages they are done with; 0: keep "
+            "them cached"),
     Setting("BCP_COMM_TREE", "bytecheckpoint/comm.py", "",
             "1: save/load coordination through a tree of host leaders; 0: flat; unset: tree from "
             "BCP_COMM_TREE_MIN_WORLD ranks"),

@@ -51,6 +51,123 @@ def test_write_behind_hands_each_full_window_to_writeback(tmp_path):
     assert (tmp_path / "g").read_bytes() == data == (tmp_path / "h").read_bytes()
 
 
+def _resident_pages(path: str) -> list[bool]:
+    """Which pages of ``path`` are in the page cache (``mincore`` on a mapping that is never
+    touched, so looking does not fault anything in)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        anchor = ctypes.c_char.from_buffer(mm)
+        vec = ctypes.create_string_buffer(pages)
+        assert libc.mincore(ctypes.addressof(anchor), size, vec) == 0, os.strerror(ctypes.get_errno())
+        del anchor
+        return [bool(b & 1) for b in vec.raw]
+    finally:
+        mm.close()
+
+
+def _on_tmpfs(path: str) -> bool:
+    best, fstype = "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, kind = line.split()[:3]
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, fstype = mount, kind
+    return fstype == "tmpfs"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only")
+def test_drop_behind_keeps_only_the_newest_windows_cached(tmp_path):
+    if _on_tmpfs(str(tmp_path)):
+        pytest.skip("tmpfs: the page cache is the data and cannot be dropped")
+    window = 256 << 10
+    data = os.urandom(4 << 20)
+    path = str(tmp_path / "f")
+    local = LocalStorage(fsync=True, transfer=TransferSettings(part_bytes=64 << 20, threads=1,
+                                                               write_behind_bytes=window))
+    writer = local.open_writer(path)
+    for start in range(0, len(data), 64 << 10):
+        writer.write(data[start : start + (64 << 10)])
+    behind = writer._behind  # type: ignore[attr-defined]
+    # Every full window was started; all but the newest one were waited for and dropped.
+    assert behind.started == len(data)
+    assert behind.dropped == len(data) - window
+    resident = _resident_pages(path)
+    page = len(data) // len(resident)
+    assert not any(resident[: behind.dropped // page])
+    assert writer.commit() == len(data)
+    assert not any(_resident_pages(path))  # the fsync made it all durable; the rest is dropped
+    with open(path, "rb") as f:
+        assert f.read() == data
+
+    # Off: the page cache keeps what was written.
+    keep = LocalStorage(fsync=True, transfer=TransferSettings(write_behind_bytes=window, drop_behind=False))
+    kept = _write_in_pieces(keep, str(tmp_path / "g"), data, 64 << 10)
+    assert kept.dropped == 0  # type: ignore[attr-defined]
+    assert all(_resident_pages(str(tmp_path / "g")))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise is Linux-only")
+def test_large_reads_drop_what_they_consumed(tmp_path):
+    if _on_tmpfs(str(tmp_path)):
+        pytest.skip("tmpfs: the page cache is the data and cannot be dropped")
+    data = os.urandom(8 << 20)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    os.sync()
+    for drop, threads in ((True, 1), (True, 3), (False, 1)):
+        local = LocalStorage(transfer=TransferSettings(part_bytes=2 << 20, threads=threads, drop_behind=drop))
+        out = bytearray(len(data))
+        assert local.read_into(str(path), 0, memoryview(out)) == len(data)
+        assert out == data
+        assert any(_resident_pages(str(path))) is not drop, (drop, threads)
+        many = [bytearray(3 << 20), bytearray(5 << 20)]
+        assert local.read_into_many(str(path), 0, [memoryview(b) for b in many]) == len(data)
+        assert b"".join(many) == data
+        assert any(_resident_pages(str(path))) is not drop, (drop, threads)
+    # Small reads (headers, metadata) keep their pages: they may be read again.
+    small = bytearray(4096)
+    LocalStorage().read_into(str(path), 0, memoryview(small))
+    assert _resident_pages(str(path))[0]
+
+
+def test_drop_behind_wait_errors(tmp_path, monkeypatch):
+    """A failed wait for writeback raises (it consumed the error a later fsync would have
+    reported); a file system that cannot do it only loses the dropping."""
+    import errno as errno_
+
+    fd = os.open(str(tmp_path / "f"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for code, raises in ((errno_.EIO, True), (errno_.ENOSPC, True), (errno_.EINVAL, False)):
+            def fake(fd_, offset, length, flags, code=code):
+                if flags & writeback.SYNC_FILE_RANGE_WAIT_AFTER:
+                    import ctypes
+                    ctypes.set_errno(code)
+                    return -1
+                return 0
+
+            monkeypatch.setattr(writeback, "_sync_file_range", lambda fake=fake: fake)
+            behind = writeback.WriteBehind(fd, 100, drop=True)
+            behind.advance(100)
+            if raises:
+                with pytest.raises(OSError, match=r"writing back bytes 0\.\.100") as info:
+                    behind.advance(200)
+                assert info.value.errno == code
+            else:
+                behind.advance(200)
+                behind.advance(400)  # dropping is off from now on; writeback goes on
+                assert (behind.started, behind.dropped) == (400, 0)
+    finally:
+        os.close(fd)
+
+
 def test_write_behind_setting(monkeypatch):
     monkeypatch.setenv("BCP_STORAGE_WRITE_BEHIND_BYTES", "0")
     assert storage_settings().transfer.write_behind_bytes == 0
@@ -61,6 +178,12 @@ def test_write_behind_setting(monkeypatch):
         storage_settings()
     monkeypatch.delenv("BCP_STORAGE_WRITE_BEHIND_BYTES")
     assert storage_settings().transfer.write_behind_bytes == TransferSettings().write_behind_bytes
+    assert storage_settings().transfer.drop_behind is True
+    monkeypatch.setenv("BCP_STORAGE_DROP_BEHIND", "0")
+    assert storage_settings().transfer.drop_behind is False
+    monkeypatch.setenv("BCP_STORAGE_DROP_BEHIND", "sometimes")
+    with pytest.raises(StorageError, match="BCP_STORAGE_DROP_BEHIND.*not a valid flag"):
+        storage_settings()
 
 
 def test_gc_pause_nests_and_leaves_a_disabled_collector_alone(monkeypatch):

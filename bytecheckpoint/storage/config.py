@@ -8,6 +8,7 @@ the names of settings: credentials stay in :class:`S3Settings` fields that ``rep
     part_bytes = 67108864   # BCP_STORAGE_WRITE_BEHIND_BYTES
     threads = 4
     write_behind_bytes = 67108864   # 0: leave writeback to the kernel until fsync
+    drop_behind = true      # BCP_STORAGE_DROP_BEHIND: recycle page-cache pages
     [retry]                 # BCP_STORAGE_RETRY_ATTEMPTS, _BASE_S, _MAX_S, _DEADLINE_S
     attempts = 6
     [s3]                    # BCP_S3_ENDPOINT or AWS_ENDPOINT_URL; AWS_ACCESS_KEY_ID, ...
@@ -40,11 +41,16 @@ class TransferSettings:
 
     ``write_behind_bytes``: a local file being written asks the kernel to start writing back
     every this many bytes (``sync_file_range``), so the disk works while the writer is still
-    filling the page cache and the final fsync has little left to do. 0 turns it off."""
+    filling the page cache and the final fsync has little left to do. 0 turns it off.
+
+    ``drop_behind``: pages of a local file already written back (or read) are dropped from
+    the page cache as the transfer goes on, so it runs through a small reused window instead
+    of allocating new cache pages for every byte (see ``writeback``)."""
 
     part_bytes: int = 64 << 20
     threads: int = 4
     write_behind_bytes: int = 64 << 20
+    drop_behind: bool = True
 
     @property
     def parallel(self) -> bool:
@@ -110,6 +116,19 @@ def _read_file(path: str) -> dict[str, Any]:
         raise StorageError(f"storage config {path!r} is not valid TOML: {exc}") from None
 
 
+def _flag(name: str, raw: Any, default: bool) -> bool:
+    if raw is None:
+        return default
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise StorageError(f"{name} = {raw!r} is not a valid flag: use 1 or 0")
+
+
 def _write_behind(raw: Any, default: int) -> int:
     if raw is None:
         return default
@@ -137,6 +156,9 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
         write_behind_bytes=_write_behind(
             pick("transfer", "write_behind_bytes", "BCP_STORAGE_WRITE_BEHIND_BYTES"),
             d_transfer.write_behind_bytes),
+        drop_behind=_flag("BCP_STORAGE_DROP_BEHIND / [transfer].drop_behind",
+                          pick("transfer", "drop_behind", "BCP_STORAGE_DROP_BEHIND"),
+                          d_transfer.drop_behind),
     )
     retry = RetrySettings(
         attempts=pick("retry", "attempts", "BCP_STORAGE_RETRY_ATTEMPTS", int) or d_retry.attempts,
@@ -160,7 +182,7 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
 
 _ENV_NAMES = (
     CONFIG_ENV, "BCP_STORAGE_PART_BYTES", "BCP_STORAGE_THREADS", "BCP_STORAGE_WRITE_BEHIND_BYTES",
-    "BCP_STORAGE_RETRY_ATTEMPTS",
+    "BCP_STORAGE_DROP_BEHIND", "BCP_STORAGE_RETRY_ATTEMPTS",
     "BCP_STORAGE_RETRY_BASE_S", "BCP_STORAGE_RETRY_MAX_S", "BCP_STORAGE_RETRY_DEADLINE_S",
     "BCP_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "BCP_HDFS_URL",

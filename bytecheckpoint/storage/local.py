@@ -2,7 +2,8 @@
 
 Large reads are split into parts read concurrently with ``os.preadv``; a large buffer handed
 to a writer is split into parts written concurrently with ``os.pwritev`` at their offsets
-(part size and thread count from :mod:`.config`).
+(part size and thread count from :mod:`.config`). Large transfers run through a small,
+recycled part of the page cache (``writeback``; ``BCP_STORAGE_DROP_BEHIND``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shutil
 from . import parallel
 from .base import CommitMode, Storage, Writer
 from .config import TransferSettings, settings
-from .writeback import WriteBehind
+from .writeback import WriteBehind, drop_pages
 
 
 def fsync_dir(path: str) -> None:
@@ -34,13 +35,15 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 _READ_CALL = 4 << 20
 
 
-def _pread_all(fd: int, offset: int, buffer: memoryview) -> int:
+def _pread_all(fd: int, offset: int, buffer: memoryview, drop: bool = False) -> int:
     total = 0
     while total < len(buffer):
         # Calls of a few MiB let the kernel's readahead run ahead of the copy.
         n = os.preadv(fd, [buffer[total : total + _READ_CALL]], offset + total)
         if n == 0:
             break
+        if drop:  # consumed: these pages will not be read again
+            drop_pages(fd, offset + total, n)
         total += n
     return total
 
@@ -48,7 +51,7 @@ def _pread_all(fd: int, offset: int, buffer: memoryview) -> int:
 _IOV_MAX = 1024  # buffers per preadv call (Linux's UIO_MAXIOV)
 
 
-def _preadv_all(fd: int, offset: int, views: list[memoryview]) -> int:
+def _preadv_all(fd: int, offset: int, views: list[memoryview], drop: bool = False) -> int:
     """Fill ``views`` in order from ``offset``, a few MiB per call; short only at EOF."""
     total, i, skip = 0, 0, 0  # views[i][skip:] is the next byte to fill
     while i < len(views):
@@ -65,6 +68,8 @@ def _preadv_all(fd: int, offset: int, views: list[memoryview]) -> int:
         n = os.preadv(fd, batch, offset + total)
         if n == 0:
             break
+        if drop:
+            drop_pages(fd, offset + total, n)
         total += n
         while i < len(views) and n > 0:  # advance past what this call filled
             left = len(views[i]) - skip
@@ -85,7 +90,8 @@ class _LocalWriter(Writer):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
         # Without fsync nothing waits for the disk, so there is nothing to overlap.
-        self._behind = WriteBehind(self._fd, transfer.write_behind_bytes if fsync else 0)
+        self._behind = WriteBehind(self._fd, transfer.write_behind_bytes if fsync else 0,
+                                   drop=transfer.drop_behind)
 
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
@@ -103,6 +109,7 @@ class _LocalWriter(Writer):
         try:
             if self._fsync:
                 os.fsync(self._fd)
+                self._behind.finish()
         finally:
             os.close(self._fd)
         return self._size
@@ -120,6 +127,9 @@ class _LocalWriter(Writer):
 class LocalStorage(Storage):
     scheme = "file"
     commit_mode = CommitMode.RENAME
+    # A disk file's cached pages are a copy, safe to drop once read; a subclass whose page
+    # cache is the data itself (tmpfs) says so.
+    page_cache_is_copy = True
 
     def __init__(self, fsync: bool = True, transfer: TransferSettings | None = None) -> None:
         # fsync is what makes a commit survive a power loss; tests may turn it off.
@@ -136,6 +146,7 @@ class LocalStorage(Storage):
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         path = self._os_path(path)
         os.stat(path)  # a missing file raises here, before any part is scheduled
+        drop = self._drops_reads(len(buffer))
 
         def read_part(off: int, view: memoryview) -> int:
             # One descriptor per part: the kernel keeps readahead state per open file, and
@@ -143,11 +154,19 @@ class LocalStorage(Storage):
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_SEQUENTIAL)
-                return _pread_all(fd, off, view)
+                return _pread_all(fd, off, view, drop)
             finally:
                 os.close(fd)
 
-        return parallel.read_parts(read_part, offset, buffer, self.transfer)
+        n = parallel.read_parts(read_part, offset, buffer, self.transfer)
+        if drop and self.transfer.parallel:
+            # A part's readahead may have cached the start of a part already read and dropped.
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                drop_pages(fd, offset, n)
+            finally:
+                os.close(fd)
+        return n
 
     def read_into_many(self, path: str, offset: int, buffers: list[memoryview]) -> int:
         # One descriptor and one sequential pass: the kernel's readahead sees one stream,
@@ -155,10 +174,15 @@ class LocalStorage(Storage):
         views = [memoryview(b).cast("B") for b in buffers]
         fd = os.open(self._os_path(path), os.O_RDONLY)
         try:
-            os.posix_fadvise(fd, offset, sum(len(v) for v in views), os.POSIX_FADV_SEQUENTIAL)
-            return _preadv_all(fd, offset, views)
+            size = sum(len(v) for v in views)
+            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_SEQUENTIAL)
+            return _preadv_all(fd, offset, views, self._drops_reads(size))
         finally:
             os.close(fd)
+
+    def _drops_reads(self, size: int) -> bool:
+        # Small reads (metadata, headers) may well be read again; tensor bytes are not.
+        return self.page_cache_is_copy and self.transfer.drop_behind and size >= _READ_CALL
 
     def size(self, path: str) -> int:
         path = self._os_path(path)

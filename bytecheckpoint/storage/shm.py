@@ -20,6 +20,7 @@ DEFAULT_DIR = "/dev/shm/bytecheckpoint"
 class SharedMemoryStorage(LocalStorage):
     scheme = "shm"
     commit_mode = CommitMode.RENAME
+    page_cache_is_copy = False  # tmpfs: the cached pages are the only copy
 
     def __init__(self, root: str | None = None) -> None:
         super().__init__(fsync=False)
