@@ -34,6 +34,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BCP_STORAGE_DROP_BEHIND", _S3, "1",
             "1: large local reads and writes drop the page-cache pages they are done with; 0: keep "
             "them cached"),
+    Setting("BCP_LOAD_THREADS", "bytecheckpoint/engine/load.py", "4 / ranks on the host",
+            "reader threads per rank during a load (each large read is split again into "
+            "BCP_STORAGE_THREADS parts)"),
     Setting("BCP_COMM_TREE", "bytecheckpoint/comm.py", "",
             "1: save/load coordination through a tree of host leaders; 0: flat; unset: tree from "
             "BCP_COMM_TREE_MIN_WORLD ranks"),
