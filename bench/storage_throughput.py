@@ -4,9 +4,11 @@ Usage: python bench/storage_throughput.py [--gib 1] [--s3-mib 256] [--runs 3] [-
 
 1. Ranged read of one local file of ``--gib`` GiB into one buffer, with 1 thread and with
    4 threads (parts of 64 MiB), cold (the file's pages dropped from the page cache with
-   posix_fadvise before each run) and warm (already cached).
+   posix_fadvise before each run; the read drops what it consumed, the library's default)
+   and warm (already cached, read with ``drop_behind`` off so it stays cached).
 2. Write then read of one file per backend through ``open_storage`` (retries and I/O
-   events included): local disk (fsync at commit), shm://, mem:// with ``--gib`` GiB, and
+   events included): local disk (fsync at commit; the written pages are dropped, so the
+   read comes from the disk), shm://, mem:// with ``--gib`` GiB, and
    S3 on a moto_server started here on 127.0.0.1 with ``--s3-mib`` MiB (moto is an
    emulator, so this measures moto and pyarrow on this machine, not AWS).
 
@@ -64,7 +66,8 @@ def ranged_read(directory: str, nbytes: int, runs: int) -> None:
               f"(MB/s, median of {runs})")
         for cache in ("cold", "warm"):
             for threads in (1, 4):
-                transfer = TransferSettings(part_bytes=64 << 20, threads=threads)
+                transfer = TransferSettings(part_bytes=64 << 20, threads=threads,
+                                            drop_behind=cache == "cold")
                 local = LocalStorage(fsync=False, transfer=transfer)
                 rates = []
                 for _ in range(runs):

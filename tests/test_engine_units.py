@@ -168,6 +168,11 @@ def test_drop_behind_wait_errors(tmp_path, monkeypatch):
                 with pytest.raises(OSError, match=r"writing back bytes 0\.\.100") as info:
                     behind.advance(200)
                 assert info.value.errno == code
+                # The file stays failed: a retried write or the commit raises it again.
+                with pytest.raises(OSError, match=r"writing back bytes 0\.\.100"):
+                    behind.advance(300)
+                with pytest.raises(OSError, match=r"writing back bytes 0\.\.100"):
+                    behind.check()
             else:
                 behind.advance(200)
                 behind.advance(400)  # dropping is off from now on; writeback goes on

@@ -107,6 +107,7 @@ class _LocalWriter(Writer):
 
     def commit(self) -> int:
         try:
+            self._behind.check()
             if self._fsync:
                 os.fsync(self._fd)
                 self._behind.finish()

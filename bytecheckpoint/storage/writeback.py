@@ -74,8 +74,17 @@ class WriteBehind:
         self._drop = drop and self._fn is not None
         self.started = 0  # bytes handed to writeback so far
         self.dropped = 0  # bytes known to be on disk whose pages were dropped
+        # A failed wait for writeback; this file can no longer be made whole.
+        self.error: OSError | None = None
+
+    def check(self) -> None:
+        """Raise the writeback failure seen earlier, if any: a rewrite of the last block would
+        not bring back the window that failed, and the fsync would not report it again."""
+        if self.error is not None:
+            raise self.error
 
     def advance(self, size: int) -> None:
+        self.check()
         if self._fn is None or size - self.started < self._window:
             return
         # A failure here only loses the overlap: the fsync at commit still makes it durable.
@@ -92,7 +101,8 @@ class WriteBehind:
                 self._drop = False
                 return
             # Waiting consumed the file's writeback error, so a later fsync would not see it.
-            raise OSError(code, f"writing back bytes {self.dropped}..{end}: {os.strerror(code)}")
+            self.error = OSError(code, f"writing back bytes {self.dropped}..{end}: {os.strerror(code)}")
+            raise self.error
         drop_pages(self._fd, self.dropped, length)
         self.dropped = end
 
