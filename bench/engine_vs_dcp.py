@@ -262,6 +262,36 @@ class TorchSave:
         return os.path.getsize(file)
 
 
+class SeqWrite:
+    """The machine's limit inside the save rotation: rank 0 writes the state's byte count as
+    one sequential file with fsync, under the same conditions (position in the rotation,
+    what the disk is still digesting) as the saves it is compared with; other ranks wait."""
+
+    def __init__(self, nbytes: int, drop_behind: bool) -> None:
+        self.nbytes = nbytes
+        self.drop_behind = drop_behind
+        self.name = "seq write, " + ("early writeback + drop-behind" if drop_behind else "plain")
+
+    def save(self, path: str) -> None:
+        if dist.get_rank() != 0:
+            return
+        import numpy as np
+
+        from bytecheckpoint.storage.writeback import WriteBehind
+
+        os.makedirs(path, exist_ok=True)
+        block = np.ones(16 << 20, dtype=np.uint8)
+        fd = os.open(f"{path}/seq", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        wb = WriteBehind(fd, (64 << 20) if self.drop_behind else 0, drop=self.drop_behind)
+        done = 0
+        while done < self.nbytes:
+            done += os.write(fd, block[: min(len(block), self.nbytes - done)])
+            wb.advance(done)
+        os.fsync(fd)
+        wb.finish()
+        os.close(fd)
+
+
 # -- phases ---------------------------------------------------------------------------------
 
 
@@ -355,7 +385,7 @@ WRITE_LIMITS = (  # (key, label): every way the limits phase writes a file seque
 
 
 def phase_fsdp4(rank: int, world: int, port: int, cfg: GPTConfig, root: str, reps: int,
-                out_file: str) -> None:
+                out_file: str, state_bytes: int) -> None:
     init(rank, world, port)
     drop = rank == 0 and drop_caches()
     drop = bool(max_over_ranks(float(drop)))
@@ -399,15 +429,21 @@ def phase_fsdp4(rank: int, world: int, port: int, cfg: GPTConfig, root: str, rep
         s.wait(handle)
         rmtree(path)
 
+    limits_in_rotation = [SeqWrite(state_bytes, drop_behind=False), SeqWrite(state_bytes, drop_behind=True)]
+    for w in limits_in_rotation:
+        res["save"][w.name] = []
     for rep in range(reps):
         order = systems[rep % 3:] + systems[: rep % 3]
-        for s in order:
+        writers = [*systems, *limits_in_rotation]
+        for s in writers[rep % len(writers):] + writers[: rep % len(writers)]:
             path = f"{root}/{s.name}/sync{rep}"
             t, result = timed(lambda s=s, path=path: s.save(path))
             res["save"][s.name].append(t)
             if s.name == "bytecheckpoint":  # every save after the first reuses the plan
                 res["plan_cached_all"].append(max_over_ranks(result.phases["plan"]))
-            if rank == 0:
+            if isinstance(s, SeqWrite):
+                rmtree(f"{root}/{s.name}")
+            elif rank == 0:
                 res["bytes"][s.name] = dir_bytes(path)
         for s in order:
             t, nread = cold(lambda s=s, rep=rep: s.load(f"{root}/{s.name}/sync{rep}"), drop)
@@ -553,6 +589,16 @@ def report(limits: dict[str, Any], a: dict[str, Any], b: dict[str, Any], c: dict
                  f"{theirs / ours:9.2f}x")
     save = med(a["save"]["bytecheckpoint"])
     bw = a["bytes"]["bytecheckpoint"] / save / 1e9
+    in_rotation = [k for k in a["save"] if k.startswith("seq write")]
+    if in_rotation:
+        lines += ["", "sequential write + fsync of the state's bytes by one process, inside the save "
+                  "rotation (same positions and conditions as the saves):"]
+        for k in in_rotation:
+            ref = med(a["save"][k])
+            lines.append(f"  {k:45}: {ref:.3f} s = {state_bytes / ref / 1e9:.2f} GB/s; "
+                         f"our sync save reaches {ref / save:.0%} of it (ratio of medians); per "
+                         "repetition: " + ", ".join(f"{r / o:.0%}" for r, o in
+                                                    zip(a["save"][k], a["save"]["bytecheckpoint"])))
     best_label, best = max(writes, key=lambda w: w[1])
     lines += ["", f"bytecheckpoint sync save: {bw:.2f} GB/s = "
               f"{bw / limits['write_fsync_GBps']:.0%} of the plain 1-stream write+fsync, "
@@ -630,7 +676,7 @@ def main() -> None:
     t = time.perf_counter()
     limits = phase_limits(f"{root}/limits", min(2 << 30, max(256 << 20, state_bytes // 2)))
     print(f"limits measured ({time.perf_counter() - t:.0f}s)", flush=True)
-    spawn(phase_fsdp4, 4, cfg, f"{root}/ckpt", args.reps, f"{root}/a.json")
+    spawn(phase_fsdp4, 4, cfg, f"{root}/ckpt", args.reps, f"{root}/a.json", state_bytes)
     print(f"fsdp4 phase done ({time.perf_counter() - t:.0f}s)", flush=True)
     spawn(phase_fsdp2, 2, cfg, f"{root}/ckpt", args.reps, f"{root}/b.json")
     print(f"fsdp2 phase done ({time.perf_counter() - t:.0f}s)", flush=True)
