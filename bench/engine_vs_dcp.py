@@ -262,6 +262,36 @@ class TorchSave:
         return os.path.getsize(file)
 
 
+WRITE_BLOCK = 16 << 20
+
+
+def sequential_write(path: str, nbytes: int, behind: int = 0, drop: bool = False,
+                     direct: bool = False) -> None:
+    """Write ``nbytes`` to ``path`` in 16 MiB blocks, then fsync: the machine's limit.
+    ``behind`` > 0 starts writeback every this many bytes; ``drop`` also drops what is on
+    disk; ``direct`` opens with O_DIRECT (``nbytes`` a multiple of the block)."""
+    import mmap
+
+    from bytecheckpoint.storage.writeback import WriteBehind
+
+    src = mmap.mmap(-1, WRITE_BLOCK)  # page-aligned, as O_DIRECT needs
+    src.write(b"\1" * WRITE_BLOCK)
+    view = memoryview(src)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        wb = WriteBehind(fd, behind, drop=drop)
+        done = 0
+        while done < nbytes:
+            done += os.write(fd, view[: min(WRITE_BLOCK, nbytes - done)])
+            wb.advance(done)
+        os.fsync(fd)
+        wb.finish()
+    finally:
+        os.close(fd)
+        view.release()
+        src.close()
+
+
 class SeqWrite:
     """The machine's limit inside the save rotation: rank 0 writes the state's byte count as
     one sequential file with fsync, under the same conditions (position in the rotation,
@@ -273,54 +303,19 @@ class SeqWrite:
         self.name = "seq write, " + ("early writeback + drop-behind" if drop_behind else "plain")
 
     def save(self, path: str) -> None:
-        if dist.get_rank() != 0:
-            return
-        import numpy as np
-
-        from bytecheckpoint.storage.writeback import WriteBehind
-
-        os.makedirs(path, exist_ok=True)
-        block = np.ones(16 << 20, dtype=np.uint8)
-        fd = os.open(f"{path}/seq", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        wb = WriteBehind(fd, (64 << 20) if self.drop_behind else 0, drop=self.drop_behind)
-        done = 0
-        while done < self.nbytes:
-            done += os.write(fd, block[: min(len(block), self.nbytes - done)])
-            wb.advance(done)
-        os.fsync(fd)
-        wb.finish()
-        os.close(fd)
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+            sequential_write(f"{path}/seq", self.nbytes, behind=(64 << 20) if self.drop_behind else 0,
+                             drop=self.drop_behind)
 
 
 # -- phases ---------------------------------------------------------------------------------
 
 
 def phase_limits(root: str, nbytes: int) -> dict[str, Any]:
-    import mmap
-
-    import numpy as np
-
     os.makedirs(root, exist_ok=True)
-    block = 16 << 20
-    buf = np.ones(block, dtype=np.uint8)
-    aligned = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-    aligned.write(b"\1" * block)
-
-    from bytecheckpoint.storage.writeback import WriteBehind
-
-    def write(path: str, n: int, behind: int = 0, drop: bool = False, direct: bool = False) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-        fd = os.open(path, flags, 0o644)
-        # behind > 0: start writeback every this many bytes; drop: and drop what is on disk
-        wb = WriteBehind(fd, behind, drop=drop)
-        src = memoryview(aligned) if direct else buf
-        done = 0
-        while done < n:
-            done += os.write(fd, src[: min(block, n - done)])
-            wb.advance(done)
-        os.fsync(fd)
-        wb.finish()
-        os.close(fd)
+    block = WRITE_BLOCK
+    write = sequential_write
 
     def timed_write(path: str, **kw: Any) -> float:
         t = time.perf_counter()
