@@ -7,12 +7,14 @@ the module-level function ``fn`` on every rank and returns the per-rank results.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
+import tempfile
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -24,7 +26,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
+def _stack_file(port: int, rank: int) -> str:
+    """Where a rank writes every thread's stack when a task outlasts its dump time, so a hang
+    that the pool's timeout ends is reported with where each rank was stuck."""
+    return os.path.join(tempfile.gettempdir(), f"bcp-test-pool-{port}-rank{rank}.stacks")
+
+
+def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, dump_after_s: float) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -44,11 +52,15 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
         if task is None:
             break
         module, name, args, kwargs = pickle.loads(task)
-        try:
-            fn = getattr(importlib.import_module(module), name)
-            payload = (True, fn(*args, **kwargs))
-        except BaseException:  # report everything, including assertion failures
-            payload = (False, traceback.format_exc())
+        with open(_stack_file(port, rank), "w") as stacks:
+            faulthandler.dump_traceback_later(dump_after_s, file=stacks)
+            try:
+                fn = getattr(importlib.import_module(module), name)
+                payload = (True, fn(*args, **kwargs))
+            except BaseException:  # report everything, including assertion failures
+                payload = (False, traceback.format_exc())
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         try:
             results.put((rank, pickle.dumps(payload)))
         except Exception:
@@ -61,12 +73,13 @@ class WorldPool:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.timeout = timeout
-        port = free_port()
+        port = self._port = free_port()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
             # not daemonic: ranks start their own processes (data loader readers)
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results))
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results,
+                                              max(1.0, timeout - 30)))
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -86,8 +99,17 @@ class WorldPool:
                 rank, raw = self._results.get(timeout=self.timeout)
             except queue.Empty:
                 self.broken = f"{fn.__name__} timed out after {self.timeout}s"
+                silent = sorted(set(range(self.world_size)) - set(out) - set(failures))
+                report = [f"{self.broken}; no answer from ranks {silent}"]
+                report += [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]
+                for r in silent:
+                    try:
+                        with open(_stack_file(self._port, r)) as f:
+                            report.append(f"--- rank {r} stacks ---\n{f.read()}")
+                    except OSError:
+                        pass
                 self.close()
-                raise TimeoutError(self.broken) from None
+                raise TimeoutError("\n".join(report)) from None
             ok, value = pickle.loads(raw)
             (out if ok else failures)[rank] = value
         if failures:
@@ -105,3 +127,8 @@ class WorldPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        for r in range(self.world_size):
+            try:
+                os.unlink(_stack_file(self._port, r))
+            except OSError:
+                pass
