@@ -1,10 +1,12 @@
-"""Assertions shared by the tests."""
+"""Assertions and small utilities shared by the tests."""
 
 from __future__ import annotations
 
 import json
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,3 +39,31 @@ def payload_bytes(ckpt_dir: str) -> int:
                 json.loads(f.read(n))
             total += os.path.getsize(os.path.join(ckpt_dir, name)) - 8 - n
     return total
+
+
+@contextmanager
+def env_set(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block, then restore what was there."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def assert_changed_structure_loads(root: str) -> None:
+    """The checkpoint ``save_workloads.structure_changes_on_one_rank`` leaves at ``root/second``
+    loads bit for bit, and no staging directory is left behind."""
+    import bytecheckpoint as bcp
+
+    w, b = torch.zeros(8, 4), torch.zeros(3)
+    target = {"w": bcp.TensorShard(w, (8, 4)), "b": bcp.TensorShard(b, (3,))}
+    bcp.load(os.path.join(root, "second"), {"model": target})
+    assert torch.equal(b, torch.full((3,), 7.0))
+    assert torch.equal(w, torch.cat([torch.arange(8.0).reshape(2, 4) + 10 * r for r in range(4)]))
+    assert not [n for n in os.listdir(root) if ".staging-" in n]

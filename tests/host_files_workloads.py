@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -17,6 +16,7 @@ from bytecheckpoint.engine import host_files, plan_cache
 from bytecheckpoint.engine import save as save_engine
 from bytecheckpoint.storage import faults
 from tests import workloads as w
+from tests.helpers import env_set
 
 HOST = {"files_per": "host", "host_size": 2}
 
@@ -138,13 +138,5 @@ def with_env(env: dict[str, str], module: str, name: str, *args: Any) -> Any:
     """Call ``module.name(*args)`` with ``env`` set in this rank's environment."""
     import importlib
 
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with env_set(env):
         return getattr(importlib.import_module(module), name)(*args)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

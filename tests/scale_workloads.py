@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -16,23 +14,11 @@ from bytecheckpoint.comm import Communicator, Outcome
 from bytecheckpoint.engine import plan_cache
 from bytecheckpoint.errors import RankFailedError
 from bytecheckpoint.metadata import METADATA_FILE, CheckpointMetadata
+from tests.helpers import env_set
 
 # 16 ranks as 4 "hosts" of 4, host leaders in pairs: a three-level tree.
 TREE = {"BCP_COMM_TREE": "1", "BCP_COMM_HOST_SIZE": "4", "BCP_COMM_FANOUT": "2"}
 
-
-@contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class _CountSends:
@@ -123,10 +109,10 @@ def tree_matches_flat(root: str) -> dict[str, Any]:
 
     # Whole saves: flat, then through the tree (sync, a cache hit, async), then loads.
     plan_cache.clear()
-    with _env({"BCP_COMM_TREE": "0"}):
+    with env_set({"BCP_COMM_TREE": "0"}):
         flat = bcp.save(f"{root}/flat", _state(rank, world, 1.0), framework="manual", step=1)
     plan_cache.clear()
-    with _env(TREE), _CountSends() as save_count:
+    with env_set(TREE), _CountSends() as save_count:
         first = bcp.save(f"{root}/tree", _state(rank, world, 1.0), framework="manual", step=1)
         again = bcp.save(f"{root}/tree_again", _state(rank, world, 2.0), framework="manual", step=2)
         handle = bcp.save(f"{root}/tree_async", _state(rank, world, 3.0), framework="manual", step=3,
