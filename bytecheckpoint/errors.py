@@ -74,3 +74,28 @@ class TransientStorageError(StorageError):
 
 class PermanentStorageError(StorageError):
     """A storage operation failed in a way no retry will fix (no bucket, no permission)."""
+
+
+class StorageIOError(PermanentStorageError, OSError):
+    """A storage operation failed with an operating-system error no retry fixes (a full disk, a
+    read-only file system, no permission). Names the operation and the path; keeps ``errno``,
+    and is an ``OSError`` too, so code that catches those still does."""
+
+    def __init__(self, message: str, *, op: str, path: str, errno: int | None = None) -> None:
+        if errno is None:
+            OSError.__init__(self, message)
+        else:
+            OSError.__init__(self, errno, message)
+        self.message, self.op, self.path = message, op, path
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotARegularFileError(StorageIOError):
+    """Where a storage file should be, there is something else (a FIFO, a socket, a device):
+    refused without opening it, since opening a FIFO would wait for a writer forever."""
+
+
+class InvalidStorageURLError(PermanentStorageError):
+    """A storage URL that cannot name anything (``s3://`` without a bucket): a usage error."""

@@ -40,8 +40,8 @@ def normalize_dsn(dsn: str) -> str:
                                "chdb:///var/lib/bcp/store or http://user:pass@host:8123/bcp")
     scheme, sep, rest = dsn.partition("://")
     if not sep or scheme.lower() not in SCHEMES:
-        raise StoreConfigError(f"unsupported ClickHouse DSN {dsn!r}: use chdb:///ABS/PATH (embedded) "
-                               "or http(s)://[user:pass@]host:port/database (server)")
+        raise StoreConfigError(f"unsupported ClickHouse DSN {_redact(dsn)!r}: use chdb:///ABS/PATH "
+                               "(embedded) or http(s)://[user:pass@]host:port/database (server)")
     if scheme.lower() != "chdb" or rest in ("memory", ":memory:") or rest.startswith("memory/"):
         return dsn
     path, _, query = rest.partition("?")
