@@ -27,6 +27,7 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "complex128": (torch.complex128, "U8"),  # safetensors has no C128: raw bytes
 }
 _BY_TORCH = {t: name for name, (t, _) in _DTYPES.items()}
+DTYPE_NAMES = frozenset(_DTYPES)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -44,7 +45,10 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def safetensors_code(name: str) -> str:
-    return _DTYPES[name][1]
+    try:
+        return _DTYPES[name][1]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in checkpoint") from None
 
 
 def itemsize(name: str) -> int:

@@ -9,32 +9,39 @@ field is validated on read, because a checkpoint may come from an untrusted plac
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
+import xxhash
 
 from . import __version__
 from .checksums import CHECKSUM_ALGORITHM, chunk_count
-from .dtypes import itemsize
+from .dtypes import DTYPE_NAMES, itemsize
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .gc_pause import gc_paused
+from .metadata_checks import DAMAGED, MAX_BYTES, check_boxes, check_files, fail, tensor_numel
 from .sharding import Box
 
 FORMAT_NAME = "bytecheckpoint"
-FORMAT_VERSION = 1
+# 1: the msgpack document alone. 2: the document behind MAGIC and its xxh3-128 digest.
+FORMAT_VERSION = 2
 METADATA_FILE = "metadata.msgpack"
+MAGIC = b"BCPMETA\x00"
+_ENVELOPE = len(MAGIC) + 16
 
 # Storage file names are plain names inside the checkpoint directory: nothing that can
 # climb out of it ("..", "/", "\\") and nothing hidden.
 _SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    """BasicMeta of one logical tensor: its key (group/FQN), dtype and global shape."""
+class TensorMeta(NamedTuple):
+    """BasicMeta of one logical tensor: its key (group/FQN), dtype and global shape (a named
+    tuple: a load builds one per tensor, and a million of them must decode in milliseconds)."""
 
     key: str
     dtype: str
@@ -201,29 +208,72 @@ class CheckpointMetadata:
             ],
             "loader": self.loader,
         }
-        return msgpack.packb(doc, use_bin_type=True)
+        return pack_document(doc)
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, source: str = "metadata") -> CheckpointMetadata:
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, source: str = "metadata"
+                   ) -> CheckpointMetadata:
+        """Decode and validate a metadata file (any supported format version)."""
+        return cls.from_document(unpack_document(data, source=source), source=source)
+
+    @classmethod
+    def from_document(cls, doc: Any, *, source: str = "metadata") -> CheckpointMetadata:
+        """Validate a decoded metadata document (see :func:`unpack_document`) field by field and
+        against itself; the one place every reader of a checkpoint's metadata goes through."""
         try:
-            doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{source}: not a readable metadata file ({exc})") from exc
-        try:
-            return _decode(doc, source)
-        except (CorruptCheckpointError, UnsafeCheckpointError):
+            with gc_paused():  # an object per tensor: see gc_paused
+                return _decode(doc, source)
+        except CorruptCheckpointError:
             raise
-        except Exception as exc:  # wrong types, missing fields
-            raise CorruptCheckpointError(f"{source}: malformed metadata ({exc!r})") from exc
+        except Exception as exc:  # a shape of document the checks below did not foresee
+            raise CorruptCheckpointError(f"{source}: malformed metadata ({exc!r}); {DAMAGED}") from exc
+
+
+def pack_document(doc: dict[str, Any]) -> bytes:
+    """The metadata file for a document: ``MAGIC``, the xxh3-128 digest of the body, the body
+    (msgpack). The digest catches any flipped bit, also in fields that stay plausible."""
+    body = msgpack.packb(doc, use_bin_type=True)
+    return MAGIC + xxhash.xxh3_128_digest(body) + body
+
+
+def unpack_document(data: bytes | bytearray | memoryview, *, source: str = "metadata") -> Any:
+    """The document of a metadata file, its checksum checked (format 1 files have none)."""
+    view = memoryview(data).cast("B")
+    if bytes(view[: len(MAGIC)]) == MAGIC:
+        body = view[_ENVELOPE:]
+        if len(view) < _ENVELOPE or xxhash.xxh3_128_digest(body) != bytes(view[len(MAGIC) : _ENVELOPE]):
+            raise CorruptCheckpointError(f"{source}: the metadata's checksum does not match its contents; "
+                                         f"{DAMAGED}")
+        sealed = True
+    else:
+        body, sealed = view, False
+    try:
+        doc = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CorruptCheckpointError(f"{source}: not a readable metadata file ({exc!r})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{source}: not a bytecheckpoint metadata file")
+    version = doc.get("version")
+    if type(version) is not int or version < 1:
+        raise _fail(source, f"format version {version!r}")
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{source}: format version {version} is newer than this library supports "
+            f"({FORMAT_VERSION}); upgrade bytecheckpoint to read it"
+        )
+    if sealed != (version >= 2):
+        raise _fail(source, f"format version {version} " + (
+            "has a checksum header, which only versions 2 and later have" if sealed
+            else "lacks the checksum header every version from 2 has"))
+    return doc
 
 
 def _arr(a: np.ndarray, dtype: str) -> bytes:
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
 
 
-
 def check_file_name(name: str, source: str) -> str:
-    if not isinstance(name, str) or not _SAFE_FILE_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _SAFE_FILE_NAME.fullmatch(name) or ".." in name:
         raise UnsafeCheckpointError(
             f"{source}: names storage file {name!r}, which is not a plain file name inside the "
             "checkpoint directory; refusing to read it (the metadata is corrupt or hostile)"
@@ -231,122 +281,199 @@ def check_file_name(name: str, source: str) -> str:
     return name
 
 
-def _decode(doc: dict[str, Any], source: str) -> CheckpointMetadata:
-    if doc.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(f"{source}: not a bytecheckpoint metadata file")
-    if not isinstance(doc.get("version"), int) or doc["version"] > FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            f"{source}: format version {doc.get('version')!r} is newer than this library "
-            f"supports ({FORMAT_VERSION}); upgrade bytecheckpoint to read it"
-        )
-    checksum = doc["checksum"]
-    if checksum["algorithm"] != CHECKSUM_ALGORITHM:
-        raise CorruptCheckpointError(f"{source}: unknown checksum {checksum['algorithm']!r}")
-    chunk_bytes = int(checksum["chunk_bytes"])
-    if chunk_bytes <= 0:
-        raise CorruptCheckpointError(f"{source}: bad checksum chunk size {chunk_bytes}")
+# -- typed fields ----------------------------------------------------------------------------
 
-    files = [
-        FileMeta(check_file_name(n, source), int(size), int(rank), str(kind))
-        for n, size, rank, kind in doc["files"]
-    ]
-    if len({f.name for f in files}) != len(files):
-        raise CorruptCheckpointError(f"{source}: duplicate storage file names")
+_I64 = (1 << 63) - 1
+_MAX_TEXT = 4096  # framework, kinds, versions: short words
+_MAX_TIME = 253402300799.0  # 9999-12-31
 
-    t = doc["tensors"]
-    keys, dtypes = t["key"], t["dtype"]
-    tensor_ndim = np.frombuffer(t["ndim"], dtype="<i4").astype(np.int64)
-    shape_flat = np.frombuffer(t["shape"], dtype="<i8").astype(np.int64)
+
+def _fail(source: str, what: str) -> CorruptCheckpointError:
+    return fail(source, f"malformed metadata: {what}")
+
+
+def _int(value: Any, source: str, what: str, lo: int = 0, hi: int = _I64) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise _fail(source, f"{what} is {value!r}, not an integer in {lo}..{hi}")
+    return value
+
+
+def _str(value: Any, source: str, what: str, max_len: int = _MAX_TEXT) -> str:
+    if type(value) is not str or len(value) > max_len:
+        raise _fail(source, f"{what} is {_short(value)}, not a string of at most {max_len} characters")
+    return value
+
+
+def _list(value: Any, source: str, what: str) -> list[Any]:
+    if type(value) is not list:
+        raise _fail(source, f"{what} is {_short(value)}, not a list")
+    return value
+
+
+def _dict(value: Any, source: str, what: str) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _fail(source, f"{what} is {_short(value)}, not a map")
+    return value
+
+
+def _column(raw: dict[str, Any], name: str, dtype: str, source: str, what: str) -> np.ndarray:
+    value = raw.get(name)
+    size = np.dtype(dtype).itemsize
+    if type(value) is not bytes or len(value) % size:
+        raise _fail(source, f"column {what}.{name} is {_short(value)}, not packed {dtype} values")
+    return np.frombuffer(value, dtype=dtype).astype(dtype[1:])
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _decode(doc: Any, source: str) -> CheckpointMetadata:
+    doc = _dict(doc, source, "the document")
+    checksum = _dict(doc.get("checksum"), source, "checksum")
+    if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise _fail(source, f"unknown checksum {_short(checksum.get('algorithm'))}")
+    chunk_bytes = _int(checksum.get("chunk_bytes"), source, "checksum chunk size", 1, 1 << 40)
+    world_size = _int(doc.get("world_size"), source, "world_size", 1, 1 << 24)
+
+    files = []
+    for i, entry in enumerate(_list(doc.get("files"), source, "files")):
+        if type(entry) is not list or len(entry) != 4:
+            raise _fail(source, f"files[{i}] is {_short(entry)}, not [name, size, rank, kind]")
+        name, size, rank, kind = entry
+        files.append(FileMeta(check_file_name(name, source),
+                              _int(size, source, f"the size of file {name!r}", 0, MAX_BYTES),
+                              _int(rank, source, f"the rank of file {name!r}", 0, world_size - 1),
+                              _str(kind, source, f"the kind of file {name!r}", 64)))
+    file_names = [f.name for f in files]
+    if len(set(file_names)) != len(files):
+        raise _fail(source, "two storage files have the same name")
+    check_files(source, file_names, [f.size for f in files])
+    file_sizes = np.array([f.size for f in files], dtype=np.int64)
+
+    t = _dict(doc.get("tensors"), source, "tensors")
+    keys, dtypes = _list(t.get("key"), source, "tensor keys"), _list(t.get("dtype"), source, "tensor dtypes")
+    tensor_ndim = _column(t, "ndim", "<i4", source, "tensors").astype(np.int64)
+    shape_flat = _column(t, "shape", "<i8", source, "tensors")
     if not (len(keys) == len(dtypes) == len(tensor_ndim)) or int(tensor_ndim.sum()) != len(shape_flat):
-        raise CorruptCheckpointError(f"{source}: tensor columns have inconsistent sizes")
-    if np.any(shape_flat < 0) or np.any(tensor_ndim < 0):
-        raise CorruptCheckpointError(f"{source}: a tensor has a negative shape")
-    if not all(isinstance(k, str) for k in keys):
-        raise CorruptCheckpointError(f"{source}: a tensor key is not a string")
-    sizes_by_dtype = {d: itemsize(d) for d in set(dtypes)}  # allowlist check, once per dtype
+        raise _fail(source, "tensor columns have inconsistent sizes")
+    if not all(type(k) is str for k in keys) or (keys and max(map(len, keys)) > 1 << 16):
+        bad = next(k for k in keys if type(k) is not str or len(k) > 1 << 16)
+        raise _fail(source, f"tensor key {_short(bad)} is not a string of at most {1 << 16} characters")
+    if len(set(keys)) != len(keys):
+        dup = next(k for k, c in collections.Counter(keys).items() if c > 1)
+        raise _fail(source, f"tensor {dup!r} is listed twice")
+    sizes_by_dtype: dict[str, int] = {}
+    for k, d in zip(keys, dtypes):
+        if d not in sizes_by_dtype:
+            if type(d) is not str or d not in DTYPE_NAMES:
+                raise _fail(source, f"tensor {k!r} has unknown dtype {_short(d)}")
+            sizes_by_dtype[d] = itemsize(d)
+    tensor_itemsize = np.array([sizes_by_dtype[d] for d in dtypes], dtype=np.int64)
     shape_start = np.concatenate([[0], np.cumsum(tensor_ndim)[:-1]]).astype(np.int64)
-    dims = shape_flat.tolist()
-    tensors = [
-        TensorMeta(k, d, tuple(dims[s : s + n]))
-        for k, d, s, n in zip(keys, dtypes, shape_start.tolist(), tensor_ndim.tolist())
-    ]
+    numel_t = tensor_numel(source, keys, tensor_ndim, shape_flat, shape_start, tensor_itemsize)
 
-    raw = doc["boxes"]
-    tensor_col = np.frombuffer(raw["tensor"], dtype="<i4").astype(np.int32)
+    raw = _dict(doc.get("boxes"), source, "boxes")
+    tensor_col = _column(raw, "tensor", "<i4", source, "boxes")
     n = len(tensor_col)
-    if n and (tensor_col.min() < 0 or tensor_col.max() >= len(tensors)):
-        raise CorruptCheckpointError(f"{source}: box refers to an unknown tensor")
+    if n and (tensor_col.min() < 0 or tensor_col.max() >= len(keys)):
+        raise _fail(source, "a box refers to an unknown tensor")
     if n and np.any(np.diff(tensor_col) < 0):
-        raise CorruptCheckpointError(f"{source}: box table is not sorted by tensor")
-    box_ndim = tensor_ndim[tensor_col] if n else np.zeros(0, dtype=np.int64)
+        raise _fail(source, "the box table is not sorted by tensor")
+    box_ndim = tensor_ndim[tensor_col]
     dim_start = np.concatenate([[0], np.cumsum(box_ndim)[:-1]]).astype(np.int64) if n else box_ndim
-    offsets = np.frombuffer(raw["offsets"], dtype="<i8").astype(np.int64)
-    lengths = np.frombuffer(raw["lengths"], dtype="<i8").astype(np.int64)
+    offsets = _column(raw, "offsets", "<i8", source, "boxes")
+    lengths = _column(raw, "lengths", "<i8", source, "boxes")
     if len(offsets) != int(box_ndim.sum()) or len(lengths) != len(offsets):
-        raise CorruptCheckpointError(f"{source}: box offsets/lengths have the wrong size")
-    file_col = np.frombuffer(raw["file"], dtype="<i4").astype(np.int32)
-    byte_offset = np.frombuffer(raw["byte_offset"], dtype="<i8").astype(np.int64)
-    byte_length = np.frombuffer(raw["byte_length"], dtype="<i8").astype(np.int64)
-    checksums = np.frombuffer(raw["checksums"], dtype="<u8").astype(np.uint64)
+        raise _fail(source, "box offsets/lengths have the wrong size")
+    file_col = _column(raw, "file", "<i4", source, "boxes")
+    byte_offset = _column(raw, "byte_offset", "<i8", source, "boxes")
+    byte_length = _column(raw, "byte_length", "<i8", source, "boxes")
+    checksums = _column(raw, "checksums", "<u8", source, "boxes")
     if not (len(file_col) == len(byte_offset) == len(byte_length) == n):
-        raise CorruptCheckpointError(f"{source}: box columns have different lengths")
+        raise _fail(source, "box columns have different lengths")
     if n and (file_col.min() < 0 or file_col.max() >= len(files)):
-        raise CorruptCheckpointError(f"{source}: box refers to an unknown storage file")
+        raise _fail(source, "a box refers to an unknown storage file")
+    if n and (byte_length.min() < 0 or byte_length.max() > MAX_BYTES):
+        raise _fail(source, "a box has a negative or huge byte length")
     n_chunks = np.where(byte_length > 0, -(-byte_length // chunk_bytes), 0)
     checksum_start = np.concatenate([[0], np.cumsum(n_chunks)[:-1]]).astype(np.int64) if n else n_chunks
     if int(n_chunks.sum()) != len(checksums):
-        raise CorruptCheckpointError(f"{source}: checksum table has the wrong size")
+        raise _fail(source, "the checksum table has the wrong size")
 
+    objects = _objects(doc.get("objects"), source, world_size, chunk_bytes, set(file_names), set(keys))
+    file_index = {name: i for i, name in enumerate(file_names)}
+    check_boxes(
+        source, keys, shape_flat, shape_start, tensor_ndim, numel_t, tensor_itemsize, tensor_col,
+        dim_start, offsets, lengths, file_col, byte_offset, byte_length, file_names, file_sizes,
+        (np.array([file_index[o.bytes.file] for o in objects], dtype=np.int64),
+         np.array([o.bytes.byte_offset for o in objects], dtype=np.int64),
+         np.array([o.bytes.byte_length for o in objects], dtype=np.int64), [o.key for o in objects]),
+    )
+
+    dims = shape_flat.tolist()
+    tensors = [
+        TensorMeta(k, d, tuple(dims[s : s + nd]))
+        for k, d, s, nd in zip(keys, dtypes, shape_start.tolist(), tensor_ndim.tolist())
+    ]
     table = BoxTable(tensor_col, offsets, lengths, dim_start, file_col, byte_offset,
                      byte_length, checksum_start, checksums)
-    tensor_itemsize = np.array([sizes_by_dtype[d] for d in dtypes], dtype=np.int64)
-    _check_boxes(table, shape_flat, shape_start, tensor_itemsize, files, source)
-
-    objects = []
-    file_names = {f.name for f in files}  # once, not per object: thousands of each at scale
-    for key, rank, fname, off, length, sums in doc["objects"]:
-        if fname not in file_names:
-            check_file_name(fname, source)
-            raise CorruptCheckpointError(f"{source}: object {key!r} refers to unknown file")
-        objects.append(ObjectMeta(str(key), None if rank is None else int(rank),
-                                  ByteMeta(fname, int(off), int(length), tuple(sums))))
-
+    step = doc.get("step")
+    created_at = doc.get("created_at", 0.0)
+    if type(created_at) not in (int, float) or not 0 <= created_at <= _MAX_TIME:
+        raise _fail(source, f"created_at is {_short(created_at)}, not a time in seconds since 1970")
+    loader = _list(doc.get("loader", []), source, "loader")
+    for i, entry in enumerate(loader):
+        _dict(entry, source, f"loader[{i}]")
     return CheckpointMetadata(
-        framework=str(doc["framework"]),
-        world_size=int(doc["world_size"]),
+        framework=_str(doc.get("framework"), source, "framework", 64),
+        world_size=world_size,
         tensors=tensors,
         boxes=table,
         objects=objects,
         files=files,
         chunk_bytes=chunk_bytes,
-        layout=dict(doc.get("layout") or {}),
-        step=doc.get("step"),
-        user_metadata=dict(doc.get("user_metadata") or {}),
-        created_at=float(doc.get("created_at") or 0.0),
-        library_version=str(doc.get("library_version", "")),
-        loader=list(doc.get("loader") or []),
+        layout=_dict(doc.get("layout", {}), source, "layout"),
+        step=None if step is None else _int(step, source, "step"),
+        user_metadata=_dict(doc.get("user_metadata", {}), source, "user_metadata"),
+        created_at=float(created_at),
+        library_version=_str(doc.get("library_version", ""), source, "library_version", 64),
+        loader=loader,
     )
 
 
-def _check_boxes(b: BoxTable, shape_flat: np.ndarray, shape_start: np.ndarray,
-                 tensor_itemsize: np.ndarray, files: list[FileMeta], source: str) -> None:
-    """Vectorised bounds checks: boxes inside their tensor, byte ranges inside their file."""
-    if not len(b):
-        return
-    if np.any(b.offsets < 0) or np.any(b.lengths < 0):
-        raise CorruptCheckpointError(f"{source}: negative box offsets or lengths")
-    ndim_per_box = np.diff(np.append(b.dim_start, len(b.offsets)))
-    dim_owner = np.repeat(np.arange(len(b)), ndim_per_box)
-    dim_pos = np.arange(len(b.offsets)) - b.dim_start[dim_owner]
-    global_dim = shape_start[b.tensor[dim_owner]] + dim_pos
-    if len(b.offsets) and np.any(b.offsets + b.lengths > shape_flat[global_dim]):
-        raise CorruptCheckpointError(f"{source}: a box lies outside its tensor's shape")
-    numel = np.ones(len(b), dtype=np.int64)
-    has_dims = ndim_per_box > 0  # 0-dim tensors have one element and no lengths
-    if has_dims.any():
-        numel[has_dims] = np.multiply.reduceat(b.lengths, b.dim_start[has_dims])
-    if np.any(numel * tensor_itemsize[b.tensor] != b.byte_length):
-        raise CorruptCheckpointError(f"{source}: a box's byte length disagrees with its shape")
-    file_sizes = np.array([f.size for f in files], dtype=np.int64)[b.file]
-    if np.any(b.byte_offset < 0) or np.any(b.byte_offset + b.byte_length > file_sizes):
-        raise CorruptCheckpointError(f"{source}: a box's bytes lie outside its storage file")
+def _objects(raw: Any, source: str, world_size: int, chunk_bytes: int, file_names: set[str],
+             tensor_keys: set[str]) -> list[ObjectMeta]:
+    """Packed objects, each checked: its rank below the world size, its bytes in a known file,
+    as many checksums as chunks; no (key, rank) twice, no key both shared and per rank."""
+    objects = []
+    seen: dict[str, set[int | None]] = {}
+    for i, entry in enumerate(_list(raw, source, "objects")):
+        if type(entry) is not list or len(entry) != 6:
+            raise _fail(source, f"objects[{i}] is {_short(entry)}, not [key, rank, file, offset, "
+                                "length, checksums]")
+        key, rank, fname, off, length, sums = entry
+        key = _str(key, source, f"the key of objects[{i}]", 1 << 16)
+        what = f"object {key!r}"
+        if rank is not None:
+            _int(rank, source, f"the rank of {what}", 0, world_size - 1)
+        if fname not in file_names:
+            check_file_name(fname, source)
+            raise _fail(source, f"{what} refers to unknown storage file {fname!r}")
+        off = _int(off, source, f"the byte offset of {what}", 0, MAX_BYTES)
+        length = _int(length, source, f"the byte length of {what}", 1, MAX_BYTES)  # never empty
+        sums = _list(sums, source, f"the checksums of {what}")
+        if len(sums) != chunk_count(length, chunk_bytes):
+            raise _fail(source, f"{what} has {len(sums)} checksums for "
+                                f"{chunk_count(length, chunk_bytes)} chunks")
+        for s in sums:
+            _int(s, source, f"a checksum of {what}", 0, (1 << 64) - 1)
+        ranks = seen.setdefault(key, set())
+        if rank in ranks or (ranks and (rank is None) != (None in ranks)):
+            raise _fail(source, f"{what} is stored twice (rank {rank}) or both shared and per rank")
+        if key in tensor_keys:
+            raise _fail(source, f"{what} has the key of a tensor")
+        ranks.add(rank)
+        objects.append(ObjectMeta(key, rank, ByteMeta(fname, off, length, tuple(sums))))
+    return objects

@@ -238,3 +238,84 @@ def untiled_tensors(shapes: Sequence[Sequence[int]], tensor: Sequence[int],
     bad |= covered != numel_t
     bad &= numel_t > 0
     return set(np.nonzero(bad)[0].tolist())
+
+
+class TooIrregularError(ValueError):
+    """An overlap check would compare more box pairs than its budget allows."""
+
+
+def overlapping_tensors(tensor: np.ndarray, off: np.ndarray, ln: np.ndarray, n_tensors: int,
+                        max_pairs: int) -> np.ndarray:
+    """Per tensor: True when two of its boxes overlap (columnar and vectorised).
+
+    Box i belongs to tensor ``tensor[i]`` (ascending) and is ``off[i] + ln[i]`` (int64 arrays of
+    shape ``(n, dims)``, every box non-empty, ``off + ln`` without overflow, and the tensors'
+    extents summed without overflow: the caller bounds them). A sweep along one dimension
+    compares only the boxes whose ranges in it overlap: dim 0 for every tensor first (real
+    layouts keep that near n pairs), else for each tensor the dimension with the fewest such
+    pairs. Raises :class:`TooIrregularError` when even that exceeds ``max_pairs`` (a layout no
+    planner makes: boxes that overlap in every single dimension's projection, by the thousand).
+    """
+    bad = np.zeros(n_tensors, dtype=bool)
+    n, dims = off.shape
+    if n < 2:
+        return bad
+    seg_start = np.flatnonzero(np.r_[True, tensor[1:] != tensor[:-1]])
+    seg = np.repeat(np.arange(len(seg_start)), np.diff(np.r_[seg_start, n]))
+    ext = np.maximum.reduceat(off + ln, seg_start, axis=0)
+
+    def sweep(d: int, rows: np.ndarray, presorted: bool) -> tuple[np.ndarray, np.ndarray]:
+        # Tensors laid end to end along dimension d, one apart, so ranges of different
+        # tensors never meet.
+        base = np.concatenate([[0], np.cumsum(ext[:, d] + 1)[:-1]])
+        key = base[seg[rows]] + off[rows, d]
+        order = rows if presorted else rows[np.argsort(key, kind="stable")]
+        start = base[seg[order]] + off[order, d]
+        hi = np.searchsorted(start, start + ln[order, d], side="left")
+        return order, np.maximum(hi - np.arange(len(order)) - 1, 0)
+
+    everything = np.arange(n)
+    key0 = off[:, 0] + np.concatenate([[0], np.cumsum(ext[:, 0] + 1)[:-1]])[seg]
+    order, counts = sweep(0, everything, bool(np.all(np.diff(key0) >= 0)))
+    plans = [(order, counts)]
+    if int(counts.sum()) > max_pairs:
+        # Per tensor, the dimension with the fewest candidate pairs.
+        per_dim = [np.bincount(seg[order], counts, minlength=len(seg_start))]
+        sweeps = [(order, counts)]
+        for d in range(1, dims):
+            o, c = sweep(d, everything, False)
+            sweeps.append((o, c))
+            per_dim.append(np.bincount(seg[o], c, minlength=len(seg_start)))
+        table = np.stack(per_dim)
+        best = np.argmin(table, axis=0)
+        if int(table.min(axis=0).sum()) > max_pairs:
+            worst = int(tensor[seg_start[int(np.argmax(table.min(axis=0)))]])
+            raise TooIrregularError(worst)
+        plans = []
+        for d in range(dims):
+            rows = np.flatnonzero(best[seg] == d)
+            if len(rows):
+                plans.append(sweep(d, rows, False))
+    for order, counts in plans:
+        _mark_overlaps(order, counts, tensor, off, ln, bad)
+    return bad
+
+
+def _mark_overlaps(order: np.ndarray, counts: np.ndarray, tensor: np.ndarray, off: np.ndarray,
+                   ln: np.ndarray, bad: np.ndarray, batch: int = 1 << 20) -> None:
+    """Compare each box (in sweep ``order``) with the ``counts`` boxes after it, in batches of
+    about ``batch`` pairs so memory stays bounded."""
+    ends = np.cumsum(counts)
+    lo = 0
+    while lo < len(order):
+        hi = int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + batch, side="right"))
+        hi = max(hi, lo + 1)
+        c = counts[lo:hi]
+        if c.sum():
+            j = np.repeat(np.arange(lo, hi), c)
+            first = np.cumsum(c) - c
+            i = np.arange(len(j)) - np.repeat(first, c) + j + 1
+            a, b = order[j], order[i]
+            hit = np.all(np.maximum(off[a], off[b]) < np.minimum(off[a] + ln[a], off[b] + ln[b]), axis=1)
+            bad[tensor[a[hit]]] = True
+        lo = hi
