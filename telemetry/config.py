@@ -1,15 +1,19 @@
 """Runtime configuration: environment defaults plus configure() overrides.
 
+Settings are read when the sink starts (the first event) and on every ``configure()``, not
+at import, so a program may set these variables after importing the library.
+
 | variable | meaning |
 | --- | --- |
 | BCP_TELEMETRY | on (default) / off |
-| BCP_TELEMETRY_DIR | spool directory (also where the Kafka sink keeps what it could not send) |
+| BCP_TELEMETRY_DIR | spool directory (with Kafka: its write-ahead spool, in kafka-pending/) |
 | BCP_TELEMETRY_SINK | "spool" (default) or "kafka" (the default when BCP_TELEMETRY_KAFKA is set) |
 | BCP_TELEMETRY_KAFKA | Kafka bootstrap servers, "host:port[,host:port]" |
 | BCP_TELEMETRY_TOPIC | Kafka topic (default "bcp-telemetry") |
-| BCP_TELEMETRY_SPOOL_MAX_BYTES | size of one spool file before rotation |
-| BCP_TELEMETRY_SPOOL_LIMIT_BYTES | total unsent bytes the Kafka sink keeps before dropping |
-| BCP_TELEMETRY_QUEUE | in-memory queue length |
+| BCP_TELEMETRY_SPOOL_MAX_BYTES | size of one spool segment before rotation |
+| BCP_TELEMETRY_SPOOL_LIMIT_BYTES | spool bytes not yet ingested / acknowledged; past it the oldest drop |
+| BCP_TELEMETRY_FSYNC | interval (default: fsync in small groups, in the background) / always / never |
+| BCP_TELEMETRY_QUEUE | in-memory queue length (sinks that are not a spool) |
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from telemetry import emitter
 from telemetry.sinks.base import Sink
 from telemetry.sinks.kafka import DEFAULT_SPOOL_LIMIT, DEFAULT_TOPIC, KafkaSink
+from telemetry.sinks.segments import DEFAULT_FSYNC, FSYNC_POLICIES
 from telemetry.sinks.spool import DEFAULT_MAX_BYTES, SpoolSink
 
 _OFF_VALUES = frozenset({"off", "0", "false", "no", "disabled"})
@@ -36,6 +42,7 @@ class Settings:
     kafka: str = ""
     topic: str = DEFAULT_TOPIC
     spool_limit_bytes: int = DEFAULT_SPOOL_LIMIT
+    fsync: str = DEFAULT_FSYNC
 
 
 def _env_positive_int(name: str, default: int) -> int:
@@ -51,6 +58,8 @@ def _env_positive_int(name: str, default: int) -> int:
 
 
 SINKS = ("spool", "kafka")
+# What a configure() call pinned; the environment supplies the rest each time it is read.
+_overrides: dict[str, Any] = {}
 
 
 def _settings_from_env() -> Settings:
@@ -60,16 +69,18 @@ def _settings_from_env() -> Settings:
     if sink not in SINKS or (sink == "kafka" and not kafka):
         # A bad setting must not take the training job down: keep events locally.
         sink = "spool"
+    fsync = os.environ.get("BCP_TELEMETRY_FSYNC", "").strip().lower() or DEFAULT_FSYNC
     return Settings(
         sink=sink,
         kafka=kafka,
         topic=os.environ.get("BCP_TELEMETRY_TOPIC", "").strip() or DEFAULT_TOPIC,
         spool_limit_bytes=_env_positive_int("BCP_TELEMETRY_SPOOL_LIMIT_BYTES", DEFAULT_SPOOL_LIMIT),
         enabled=os.environ.get("BCP_TELEMETRY", "on").strip().lower() not in _OFF_VALUES,
-        # Resolved once so a later chdir() does not scatter spool files.
+        # Made absolute when the sink starts, so a later chdir() does not scatter spool files.
         spool_dir=Path(spool_dir or Path.cwd() / ".bytecheckpoint" / "telemetry").absolute(),
         spool_max_bytes=_env_positive_int("BCP_TELEMETRY_SPOOL_MAX_BYTES", DEFAULT_MAX_BYTES),
         queue_size=_env_positive_int("BCP_TELEMETRY_QUEUE", emitter.DEFAULT_QUEUE_SIZE),
+        fsync=fsync if fsync in FSYNC_POLICIES else DEFAULT_FSYNC,
     )
 
 
@@ -77,12 +88,45 @@ def _settings_from_env() -> Settings:
 settings = _settings_from_env()
 
 
+def _refresh() -> Settings:
+    """Re-read the environment under this process's configure() overrides."""
+    fresh = _settings_from_env()
+    fresh.__dict__.update(_overrides)
+    if _overrides.get("kafka") and "sink" not in _overrides:
+        fresh.sink = "kafka"
+    settings.__dict__.update(fresh.__dict__)
+    return settings
+
+
 def build_sink(s: Settings) -> Sink:
-    """The sink ``s`` describes: the spool, or Kafka with the spool as its fallback."""
+    """The sink ``s`` describes: the spool, or Kafka through its write-ahead spool."""
     if s.sink == "kafka":
         return KafkaSink(s.kafka, s.topic, s.spool_dir, spool_limit_bytes=s.spool_limit_bytes,
-                         spool_file_bytes=s.spool_max_bytes)
-    return SpoolSink(s.spool_dir, s.spool_max_bytes)
+                         spool_file_bytes=s.spool_max_bytes, fsync=s.fsync)
+    return SpoolSink(s.spool_dir, s.spool_max_bytes, limit_bytes=s.spool_limit_bytes, fsync=s.fsync)
+
+
+_SINK_KEYS = ("sink", "spool_dir", "spool_max_bytes", "kafka", "topic", "spool_limit_bytes", "fsync")
+# The settings the current sink was built from; None for a Sink instance passed to configure().
+_built_from: list[dict[str, Any] | None] = [None]
+
+
+def _sink_settings(s: Settings) -> dict[str, Any]:
+    return {key: getattr(s, key) for key in _SINK_KEYS}
+
+
+def _build(s: Settings) -> Sink:
+    _built_from[0] = _sink_settings(s)
+    return build_sink(s)
+
+
+def _start_sink() -> Sink | None:
+    """The emitter's factory: runs at the first event, so it sees the program's settings."""
+    s = _refresh()
+    if not s.enabled:
+        return None
+    emitter.EMITTER.set_queue_size(s.queue_size)
+    return _build(s)
 
 
 def configure(
@@ -95,60 +139,61 @@ def configure(
     kafka: str | None = None,
     topic: str | None = None,
     spool_limit_bytes: int | None = None,
+    fsync: str | None = None,
 ) -> None:
     """Change telemetry settings at runtime; arguments left as None keep their value.
 
     ``sink`` is a Sink instance, or "spool" / "kafka". ``kafka`` (bootstrap servers) implies
-    the Kafka sink; ``spool_dir`` is where the spool, or Kafka's unsent events, go. Events
-    already queued are flushed to the old sink first.
+    the Kafka sink; ``spool_dir`` is where the spool, or Kafka's write-ahead spool, goes.
+    ``fsync`` is "interval", "always" or "never". Settings not given are read from the
+    environment again now. Events already queued are flushed to the old sink first.
     """
+    given = {"spool_dir": spool_dir, "spool_max_bytes": spool_max_bytes, "kafka": kafka, "topic": topic,
+             "spool_limit_bytes": spool_limit_bytes, "fsync": fsync}
     if isinstance(sink, Sink):
-        if any(v is not None for v in (spool_dir, spool_max_bytes, kafka, topic, spool_limit_bytes)):
+        if any(v is not None for v in given.values()):
             raise ValueError("pass either a Sink instance or sink settings, not both")
     elif sink is not None and sink not in SINKS:
         raise ValueError(f"unknown telemetry sink {sink!r}; use one of {', '.join(SINKS)} or a Sink")
-    for name, value in (("spool_max_bytes", spool_max_bytes), ("spool_limit_bytes", spool_limit_bytes)):
+    for name, value in (("spool_max_bytes", spool_max_bytes), ("spool_limit_bytes", spool_limit_bytes),
+                        ("queue_size", queue_size)):
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive")
+    if fsync is not None and fsync not in FSYNC_POLICIES:
+        raise ValueError(f"unknown fsync policy {fsync!r}; use one of {', '.join(FSYNC_POLICIES)}")
+    if isinstance(sink, str):
+        given["sink"] = sink
+    elif kafka is not None:
+        given["sink"] = "kafka"
+    if given.get("sink") == "kafka" and not (kafka if kafka is not None else
+                                             _overrides.get("kafka") or _settings_from_env().kafka):
+        raise ValueError("the Kafka sink needs bootstrap servers: configure(kafka='host:port') "
+                         "or BCP_TELEMETRY_KAFKA")
+    if spool_dir is not None:
+        given["spool_dir"] = Path(spool_dir).absolute()
+    _overrides.update({k: v for k, v in given.items() if v is not None})
     if queue_size is not None:
-        emitter.EMITTER.set_queue_size(queue_size)
-        settings.queue_size = queue_size
-    if isinstance(sink, Sink):
-        emitter.EMITTER.set_sink(sink)
-    elif any(v is not None for v in (sink, spool_dir, spool_max_bytes, kafka, topic, spool_limit_bytes)):
-        if spool_dir is not None:
-            settings.spool_dir = Path(spool_dir).absolute()
-        if spool_max_bytes is not None:
-            settings.spool_max_bytes = spool_max_bytes
-        if spool_limit_bytes is not None:
-            settings.spool_limit_bytes = spool_limit_bytes
-        if topic is not None:
-            settings.topic = topic
-        if kafka is not None:
-            settings.kafka = kafka
-            settings.sink = "kafka" if sink is None else sink
-        elif sink is not None:
-            settings.sink = sink
-        if settings.sink == "kafka" and not settings.kafka:
-            raise ValueError("the Kafka sink needs bootstrap servers: configure(kafka='host:port') "
-                             "or BCP_TELEMETRY_KAFKA")
-        emitter.EMITTER.set_sink(build_sink(settings))
+        _overrides["queue_size"] = queue_size
     if enabled is not None:
-        settings.enabled = bool(enabled)
+        _overrides["enabled"] = bool(enabled)
+    s = _refresh()
+    emitter.EMITTER.set_queue_size(s.queue_size)
+    if isinstance(sink, Sink):
+        _built_from[0] = None
+        emitter.EMITTER.set_sink(sink)
+    elif any(v is not None for v in given.values()) or (
+            emitter.EMITTER.get_sink() is not None and _built_from[0] not in (None, _sink_settings(s))):
+        # Asked for, or the environment changed under a sink built from it: (re)build now.
+        emitter.EMITTER.set_sink(_build(s))
 
 
 def reset() -> None:
-    """Return to the environment-derived defaults (used by tests between cases)."""
-    fresh = _settings_from_env()
-    emitter.EMITTER.set_queue_size(fresh.queue_size)
-    emitter.EMITTER.set_sink(build_sink(fresh))
-    settings.__dict__.update(fresh.__dict__)
-
-
-def _install_defaults() -> None:
+    """Forget configure() overrides; the next event builds a sink from the environment (tests)."""
+    _overrides.clear()
+    _built_from[0] = None
+    _refresh()
     emitter.EMITTER.set_queue_size(settings.queue_size)
-    # Sinks touch the filesystem or network only on their first write.
-    emitter.EMITTER.set_sink(build_sink(settings))
+    emitter.EMITTER.set_sink(None)
 
 
-_install_defaults()
+emitter.EMITTER.set_sink_factory(_start_sink)

@@ -1,7 +1,13 @@
-"""Bounded in-memory queue drained by one background thread into the configured sink.
+"""Hands events to the configured sink without ever blocking or raising into the caller.
 
-Callers only ever ``put_nowait``: a full queue drops the event and counts it, because
-telemetry must never slow down or stall checkpointing.
+An ``inline`` sink (the spool, Kafka's write-ahead spool) gets each event from the emitting
+thread itself: one ``write()``, after which the event survives the process. Other sinks get
+a bounded in-memory queue drained by one background thread: callers only ever
+``put_nowait``, and a full queue drops the event and counts it. The same background thread
+polls inline sinks (fsync in groups, ship, prune).
+
+No sink exists until the first event: it is built then by a factory (``telemetry.config``),
+so settings made after import (e.g. ``BCP_TELEMETRY_DIR`` set by the program) are honoured.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from telemetry.sinks.base import Sink
@@ -26,12 +33,16 @@ LINGER_S = 0.05
 # With nothing queued for this long the writer calls sink.poll(), so a sink can re-send
 # what it spooled while its destination was down even when no new events arrive.
 IDLE_POLL_S = 1.0
+# Queued after inline appends so the writer thread polls the sink (ships) soon after a burst.
+_POKE = object()
 
 
 class Emitter:
     def __init__(self, maxsize: int = DEFAULT_QUEUE_SIZE) -> None:
         self._maxsize = maxsize
         self._sink: Sink | None = None
+        # Builds the sink on first use; returns None when telemetry turned out to be disabled.
+        self._sink_factory: Callable[[], Sink | None] | None = None
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -40,6 +51,7 @@ class Emitter:
         self._thread: threading.Thread | None = None
         self._stop_token: object | None = None
         self._start_lock = threading.Lock()
+        self._factory_lock = threading.Lock()
         self._wake = threading.Event()
         self._sink_lock = threading.Lock()
         # A plain Lock (not a Condition) keeps the producer's bookkeeping cheap.
@@ -48,10 +60,19 @@ class Emitter:
         self._written = 0
         self._dropped = 0
         self._sink_errors = 0
+        self._poked = False
 
     # -- producer side -------------------------------------------------------------
 
     def emit(self, event: dict[str, Any]) -> None:
+        sink = self._sink
+        if sink is None and self._sink_factory is not None:
+            sink = self._default_sink()
+            if sink is None:
+                return  # telemetry is off after all
+        if sink is not None and sink.inline:
+            self._append(sink, event)
+            return
         if self._thread is None and not self._ensure_started():
             with self._counts:
                 self._dropped += 1
@@ -64,6 +85,39 @@ class Emitter:
             return
         with self._counts:
             self._emitted += 1
+
+    def _append(self, sink: Sink, event: dict[str, Any]) -> None:
+        try:
+            sink.append(event)
+        except Exception:  # noqa: BLE001 - disk full, an oversized event: counted, never raised
+            with self._counts:
+                self._dropped += 1
+                self._sink_errors += 1
+            return
+        with self._counts:
+            self._emitted += 1
+            self._written += 1
+        if not self._poked:
+            # One wake-up per burst, so the writer ships soon without a per-event cost.
+            self._poked = True
+            if self._thread is None and not self._ensure_started():
+                return
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(_POKE)
+
+    def _default_sink(self) -> Sink | None:
+        with self._factory_lock:
+            if self._sink is None and self._sink_factory is not None:
+                try:
+                    self._sink = self._sink_factory()
+                except Exception:  # noqa: BLE001 - a bad setting must not reach training
+                    with self._counts:
+                        self._sink_errors += 1
+                    return None
+            return self._sink
+
+    def set_sink_factory(self, factory: Callable[[], Sink | None] | None) -> None:
+        self._sink_factory = factory
 
     def _ensure_started(self) -> bool:
         with self._start_lock:
@@ -98,6 +152,9 @@ class Emitter:
                 self._wake.clear()
                 if not self._drain(q, item, token):
                     return
+                if self._poked:
+                    self._poked = False
+                    self._poll_sink()
         finally:
             with self._start_lock:
                 if self._thread is threading.current_thread():
@@ -218,8 +275,10 @@ class Emitter:
             ok = ok and not thread.is_alive()
         return self._call_sink("close", deadline) and ok
 
-    def set_sink(self, sink: Sink, timeout: float = 5.0) -> None:
-        """Drain queued events into the current sink, then switch and close the old one."""
+    def set_sink(self, sink: Sink | None, timeout: float = 5.0) -> None:
+        """Drain queued events into the current sink, then switch and close the old one.
+
+        None leaves the next event to build a sink with the factory."""
         deadline = time.monotonic() + timeout
         self.flush(timeout)
         if not self._sink_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):

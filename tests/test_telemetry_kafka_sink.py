@@ -16,6 +16,7 @@ import telemetry
 from telemetry import config
 from telemetry.context import reset_context
 from telemetry.sinks.kafka import PENDING_DIR, KafkaSink, decode_message
+from telemetry.sinks.spool import read_spool
 from tests.dist import free_port
 from tests.telemetry_servers import Broker
 
@@ -57,7 +58,8 @@ def test_batches_many_events_per_message(kafka_broker, topic, tmp_path: Path):
     messages, got = _consume(kafka_broker.bootstrap, topic, len(events))
     assert [e["event_id"] for e in got] == [e["event_id"] for e in events]
     assert messages <= 10, "events must be packed many per message"
-    assert sink.stats()["sent"] == 3000 and sink.stats()["spooled"] == 0
+    assert sink.stats()["sent"] == 3000 and sink.stats()["pending"] == sink.stats()["send_failures"] == 0
+    assert not list((tmp_path / PENDING_DIR).glob("*.jsonl")), "shipped segments are deleted at close"
 
 
 def test_unreachable_broker_spools_then_resends_everything_once(topic, tmp_path: Path):
@@ -68,7 +70,7 @@ def test_unreachable_broker_spools_then_resends_everything_once(topic, tmp_path:
     for i in range(0, 500, 100):
         sink.emit(events[i:i + 100])
     assert time.monotonic() - start < 10, "a dead broker must cost bounded time"
-    assert sink.stats()["spooled"] == 500 and sink.stats()["pending_bytes"] > 0
+    assert sink.stats()["pending"] == 500 and sink.stats()["pending_bytes"] > 0
     assert list((tmp_path / PENDING_DIR).glob("*.jsonl"))
     broker.start()
     try:
@@ -76,21 +78,25 @@ def test_unreachable_broker_spools_then_resends_everything_once(topic, tmp_path:
         while sink.stats()["pending_bytes"] and time.monotonic() < deadline:
             time.sleep(0.2)
             sink.poll()  # what the emitter's writer thread does when idle
-        assert sink.stats()["pending_bytes"] == 0 and sink.stats()["resent"] == 500
-        assert not list((tmp_path / PENDING_DIR).glob("*.jsonl"))
+        assert sink.stats()["pending_bytes"] == 0 and sink.stats()["sent"] == 500
         _, got = _consume(broker.bootstrap, topic, 500)
         assert sorted(e["event_id"] for e in got) == sorted(e["event_id"] for e in events)
+        sink.close()
+        assert not list((tmp_path / PENDING_DIR).glob("*.jsonl"))
     finally:
         sink.close()
         broker.stop()
 
 
-def test_full_spool_drops_and_counts(topic, tmp_path: Path):
+def test_full_spool_drops_oldest_first_and_counts(topic, tmp_path: Path):
     sink = _fast(f"127.0.0.1:{free_port()}", topic, tmp_path, spool_limit_bytes=20_000)
-    for _ in range(5):
-        sink.emit(_events(50))
+    events = _events(250)
+    for i in range(0, 250, 50):
+        sink.emit(events[i:i + 50])
     stats = sink.stats()
-    assert stats["dropped"] > 0 and stats["spooled"] + stats["dropped"] == 250
+    kept = [e["event_id"] for e in read_spool(tmp_path / PENDING_DIR)]
+    assert stats["dropped"] > 0 and stats["dropped"] + len(kept) == 250
+    assert kept == [e["event_id"] for e in events[stats["dropped"]:]], "the oldest go first"
     assert stats["pending_bytes"] <= 20_000
     sink.close()
 
@@ -107,7 +113,7 @@ def test_spans_never_block_or_raise_with_a_dead_broker(topic, tmp_path: Path):
         assert per_span < 200e-6, f"{per_span * 1e6:.0f} us per span"
         telemetry.flush(timeout=30)
         stats = telemetry.stats()
-        assert stats["sink_spooled"] == 2000 and stats["dropped"] == stats["sink_dropped"] == 0
+        assert stats["sink_pending"] == 2000 and stats["dropped"] == stats["sink_dropped"] == 0
     finally:
         config.reset()
 
@@ -116,7 +122,7 @@ def test_pending_files_of_a_dead_process_are_adopted(kafka_broker, topic, tmp_pa
     # A process spools (its broker address is dead) and exits; a later sink re-sends its events.
     code = ("import sys; from telemetry.sinks.kafka import KafkaSink; from tests.test_telemetry_kafka_sink "
             "import _events; s = KafkaSink(sys.argv[1], 't', sys.argv[2], send_timeout_s=0.5); "
-            "s.emit(_events(40)); print(s.stats()['spooled'])")
+            "s.emit(_events(40)); print(s.stats()['pending'])")
     out = subprocess.run([sys.executable, "-c", code, f"127.0.0.1:{free_port()}", str(tmp_path)],
                          cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=60,
                          env={**os.environ})

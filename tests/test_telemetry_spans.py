@@ -358,7 +358,10 @@ def test_disabled_mode_runs_body_and_emits_nothing(spool: Path) -> None:
 
 
 def test_stats_has_expected_keys(spool: Path) -> None:
-    assert set(telemetry.stats()) == {"emitted", "written", "dropped", "sink_errors", "queue_size"}
+    with telemetry.span("counted"):
+        pass
+    assert set(telemetry.stats()) == {"emitted", "written", "dropped", "sink_errors", "queue_size",
+                                      "sink_appended", "sink_dropped"}
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

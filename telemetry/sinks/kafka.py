@@ -1,11 +1,16 @@
-"""Kafka sink: many events per message, with a local spool for whatever cannot be sent now.
+"""Kafka sink: a write-ahead spool that a shipper drains into Kafka, like a log shipper's disk buffer.
 
-Runs only on the emitter's writer thread, so a slow or dead broker costs training nothing
-but queue space. A batch that the broker does not acknowledge within ``send_timeout_s``
-goes to ``{spool_dir}/kafka-pending/`` and is re-sent (oldest first) once the broker
-answers again. Re-sending may deliver an event twice; the store deduplicates on event_id.
-Nothing is lost while the pending spool is under ``spool_limit_bytes``; past that, batches
-are dropped and counted (``telemetry.stats()["sink_dropped"]``) and a warning is logged.
+Every event is first appended to this process's segment in ``{spool_dir}/kafka-pending/``
+(by the emitting thread: one ``write()``), so process exit, a SIGKILL after the append and
+broker outages lose nothing. The emitter's writer thread then ships the segments, oldest
+first, many events per message, and records how far the broker acknowledged in a cursor file
+beside each segment (``events-...jsonl.acked``). A sealed segment shipped to its end is
+deleted. Segments left by a dead process on this host (exit while the broker was down,
+SIGKILL, crash) are claimed by the next process using the same spool directory and shipped
+from their cursor on. Delivery is at least once: a resend may repeat events, which the
+store deduplicates on event_id. Past ``spool_limit_bytes`` of unacknowledged events the
+oldest sealed segments are dropped, counted (``telemetry.stats()["sink_dropped"]``) and
+warned about.
 
 Message format: the value is UTF-8 JSON lines, one event per line, lz4-compressed by the
 producer; the key is ``host-pid`` of the sender.
@@ -17,53 +22,55 @@ import contextlib
 import json
 import logging
 import os
-import re
-import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from telemetry.sinks.base import Sink
-from telemetry.sinks.spool import DEFAULT_MAX_BYTES, SpoolSink, _safe_component
+from telemetry.sinks.segments import (
+    DEFAULT_FSYNC,
+    SegmentLog,
+    SpoolPruner,
+    encode_line,
+    is_sealed,
+    parse_name,
+    pid_alive,
+    read_acked,
+    remove_segment,
+    segments,
+    this_host,
+    write_acked,
+)
+from telemetry.sinks.spool import DEFAULT_MAX_BYTES, DEFAULT_SPOOL_LIMIT
 
 log = logging.getLogger("telemetry.kafka")
 
 DEFAULT_TOPIC = "bcp-telemetry"
-DEFAULT_SPOOL_LIMIT = 1024 * 1024 * 1024
 # Well under kafka-python's default max_request_size (1 MiB) after framing.
 MESSAGE_MAX_BYTES = 512 * 1024
+# How much of a segment one send round reads.
+SHIP_CHUNK_BYTES = 4 * 1024 * 1024
 PENDING_DIR = "kafka-pending"
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
-# Pending files are "events-{host}-{pid}-{seq}.jsonl" (written by SpoolSink), renamed to
-# "claimed-{host}-{pid}-events-..." when another process adopts them.
-_CLAIMED = re.compile(r"^claimed-(?P<host>.+?)-(?P<pid>\d+)-(?P<original>events-.*)$")
-_WRITTEN = re.compile(r"^events-(?P<host>.+)-(?P<pid>\d+)-\d+\.jsonl$")
+
+__all__ = ["DEFAULT_SPOOL_LIMIT", "DEFAULT_TOPIC", "KafkaSink", "PENDING_DIR", "decode_message"]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def encode_messages(events: list[dict[str, Any]]) -> list[tuple[bytes, int]]:
-    """Pack events into JSON-lines message values of at most MESSAGE_MAX_BYTES: (value, count)."""
-    out: list[tuple[bytes, int]] = []
+def pack_lines(data: bytes) -> list[tuple[bytes, int, int]]:
+    """Complete JSON lines -> message values of at most MESSAGE_MAX_BYTES: (value, bytes of
+    ``data`` covered, events). Blank lines are covered but not sent."""
+    out: list[tuple[bytes, int, int]] = []
     lines: list[bytes] = []
-    size = 0
-    for event in events:
-        line = _ENCODER.encode(event).encode("utf-8")
+    size = covered = 0
+    for line in data.split(b"\n")[:-1]:
         if lines and size + len(line) + 1 > MESSAGE_MAX_BYTES:
-            out.append((b"\n".join(lines), len(lines)))
-            lines, size = [], 0
-        lines.append(line)
-        size += len(line) + 1
-    if lines:
-        out.append((b"\n".join(lines), len(lines)))
+            out.append((b"\n".join(lines), covered, len(lines)))
+            lines, size, covered = [], 0, 0
+        covered += len(line) + 1
+        if line.strip():
+            lines.append(line)
+            size += len(line) + 1
+    if covered:
+        out.append((b"\n".join(lines), covered, len(lines)))
     return out
 
 
@@ -83,7 +90,10 @@ def decode_message(value: bytes) -> list[dict[str, Any]]:
 
 
 class KafkaSink(Sink):
-    """Sends event batches to ``topic`` on the brokers in ``bootstrap`` (``host:port[,...]``)."""
+    """Ships events to ``topic`` on the brokers in ``bootstrap`` (``host:port[,...]``) through a
+    write-ahead spool under ``spool_dir``."""
+
+    inline: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -93,12 +103,15 @@ class KafkaSink(Sink):
         *,
         spool_limit_bytes: int = DEFAULT_SPOOL_LIMIT,
         spool_file_bytes: int = DEFAULT_MAX_BYTES,
+        fsync: str = DEFAULT_FSYNC,
         send_timeout_s: float = 5.0,
         retry_backoff_s: tuple[float, float] = (1.0, 30.0),
         producer_config: dict[str, Any] | None = None,
     ) -> None:
         if not bootstrap or not bootstrap.strip():
             raise ValueError("KafkaSink needs bootstrap servers, e.g. '127.0.0.1:9092'")
+        if spool_limit_bytes <= 0 or spool_file_bytes <= 0:
+            raise ValueError("spool_limit_bytes and spool_file_bytes must be positive")
         self.bootstrap = bootstrap
         self.topic = topic
         self.pending_dir = Path(spool_dir) / PENDING_DIR
@@ -106,60 +119,62 @@ class KafkaSink(Sink):
         self.send_timeout_s = send_timeout_s
         self._backoff_min, self._backoff_max = retry_backoff_s
         self._producer_config = dict(producer_config or {})
-        self._spool = SpoolSink(self.pending_dir, spool_file_bytes)
-        self._host = _safe_component(socket.gethostname())
-        self._key = f"{self._host}-{os.getpid()}".encode()
+        self._log = SegmentLog(self.pending_dir, min(spool_file_bytes, max(1, spool_limit_bytes // 4)), fsync)
+        self._pruner = SpoolPruner(self.pending_dir, spool_limit_bytes, "not yet acknowledged by Kafka")
+        self._host = this_host()
         self._producer: Any = None
+        self._tried = False
         self._next_try = 0.0
         self._backoff = self._backoff_min
         self._warned_down = False
-        self._warned_drop = False
+        self._init_process()
+
+    def _init_process(self) -> None:
         self._pid = os.getpid()
-        self._counters = {"sent": 0, "spooled": 0, "resent": 0, "dropped": 0, "send_failures": 0}
-        self._pending_bytes = self._scan_pending()
+        self._key = f"{self._host}-{self._pid}".encode()
+        self._producer = None
+        self._counters = {"sent": 0, "resent": 0, "send_failures": 0}
+        self._sent_own = 0
+        self._pending_bytes = sum(size - done for _, size, done, _ in self._pending(claim=False))
 
     # -- Sink interface ------------------------------------------------------------
 
+    def append(self, event: dict[str, Any]) -> None:
+        self._log.append(encode_line(event))
+
     def emit(self, batch: list[dict[str, Any]]) -> None:
-        if not batch:
-            return
-        self._check_fork()
-        producer = self._connected_producer()
-        if producer is not None and self._pending_bytes:
-            self._replay(producer)
-            producer = self._producer
-        if producer is not None:
-            failed = self._send(producer, batch)
-            self._counters["sent"] += len(batch) - len(failed)
-            if not failed:
-                return
-            batch = failed
-        self._to_spool(batch)
+        for event in batch:
+            self.append(event)
+        self.poll()
 
     def poll(self) -> None:
         self._check_fork()
-        if self._pending_bytes:
-            producer = self._connected_producer()
-            if producer is not None:
-                self._replay(producer)
+        self._log.sync()
+        self._ship(self._connected_producer() if self._pending_bytes or self._log.current_path else None)
 
     def flush(self) -> None:
         self.poll()
 
     def close(self) -> None:
-        self.poll()
+        self._check_fork()
+        self._log.close()
+        # At exit, one more connection attempt only if none was made yet: after a failure the
+        # events wait on disk for the next process instead of delaying this one's exit.
+        producer = self._producer if self._tried else self._connected_producer()
+        self._ship(producer)
         producer, self._producer = self._producer, None
         if producer is not None:
             with contextlib.suppress(Exception):
                 producer.close(timeout=self.send_timeout_s)
-        self._spool.close()
         if self._pending_bytes:
             log.warning("telemetry: %d bytes of events are still spooled in %s for Kafka at %s; "
                         "the next process using this spool directory re-sends them",
                         self._pending_bytes, self.pending_dir, self.bootstrap)
 
     def stats(self) -> dict[str, int]:
-        return {**self._counters, "pending_bytes": self._pending_bytes}
+        pending = max(0, self._log.appended - self._sent_own - self._pruner.dropped)
+        return {**self._counters, "appended": self._log.appended, "dropped": self._pruner.dropped,
+                "pending": pending, "pending_bytes": self._pending_bytes}
 
     # -- producer ------------------------------------------------------------------
 
@@ -169,6 +184,7 @@ class KafkaSink(Sink):
         now = time.monotonic()
         if now < self._next_try:
             return None
+        self._tried = True
         try:
             from kafka import KafkaProducer
 
@@ -189,8 +205,7 @@ class KafkaSink(Sink):
             self._mark_down(exc)
             return None
         if self._warned_down:
-            log.warning("telemetry: Kafka at %s is reachable again; re-sending spooled events",
-                        self.bootstrap)
+            log.warning("telemetry: Kafka at %s is reachable again; sending spooled events", self.bootstrap)
         self._warned_down = False
         self._backoff = self._backoff_min
         return self._producer
@@ -199,131 +214,113 @@ class KafkaSink(Sink):
         producer, self._producer = self._producer, None
         if producer is not None:
             with contextlib.suppress(Exception):
-                # timeout=0 discards unsent records: they are in the spool now.
+                # timeout=0 discards unsent records: they are still in the spool.
                 producer.close(timeout=0)
         self._next_try = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, self._backoff_max)
         if not self._warned_down:
             self._warned_down = True
             log.warning("telemetry: cannot send to Kafka at %s (%s: %s); events are spooled in %s "
-                        "and re-sent when the broker is back. Check BCP_TELEMETRY_KAFKA and that "
+                        "and sent when the broker is back. Check BCP_TELEMETRY_KAFKA and that "
                         "the broker is running.", self.bootstrap, type(exc).__name__, exc,
                         self.pending_dir)
 
-    def _send(self, producer: Any, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Send ``events``; return those not acknowledged (all of them if the broker is down)."""
-        messages = encode_messages(events)
+    def _send(self, producer: Any, data: bytes, own: bool) -> int:
+        """Send the complete lines in ``data``; return how many bytes of it the broker
+        acknowledged, as a prefix (a later message's ack does not cover an earlier loss)."""
         futures = []
-        failed: list[dict[str, Any]] = []
-        start = 0
         try:
-            for value, count in messages:
-                futures.append((producer.send(self.topic, value=value, key=self._key), start, count))
-                start += count
+            for value, covered, count in pack_lines(data):
+                future = producer.send(self.topic, value=value, key=self._key) if count else None
+                futures.append((future, covered, count))
             producer.flush(timeout=self.send_timeout_s)
         except Exception as exc:  # noqa: BLE001 - KafkaTimeoutError, connection errors
             self._counters["send_failures"] += 1
             self._mark_down(exc)
-            sent_upto = futures[-1][1] + futures[-1][2] if futures else 0
-            failed.extend(events[sent_upto:])
-        error: BaseException | None = None
-        for future, first, count in futures:
-            if not (future.is_done and future.succeeded()):
-                failed.extend(events[first:first + count])
-                error = error or (future.exception if future.is_done else TimeoutError("no ack"))
-        if error is not None and self._producer is not None:
-            self._counters["send_failures"] += 1
-            self._mark_down(error)
-        return failed
+        acked = 0
+        for future, covered, count in futures:
+            if future is not None and not (future.is_done and future.succeeded()):
+                if self._producer is not None:
+                    self._counters["send_failures"] += 1
+                    self._mark_down(future.exception if future.is_done else TimeoutError("no ack"))
+                break
+            acked += covered
+            self._counters["sent" if own else "resent"] += count
+            if own:
+                self._sent_own += count
+        return acked
 
-    # -- pending spool -------------------------------------------------------------
+    # -- the spool -----------------------------------------------------------------
 
-    def _to_spool(self, events: list[dict[str, Any]]) -> None:
-        size = sum(len(_ENCODER.encode(e)) + 1 for e in events)
-        if self._pending_bytes + size > self.spool_limit_bytes:
-            self._counters["dropped"] += len(events)
-            if not self._warned_drop:
-                self._warned_drop = True
-                log.warning("telemetry: Kafka spool %s is full (%d bytes, limit %d); dropping events "
-                            "(counted in telemetry.stats()['sink_dropped']). Raise "
-                            "BCP_TELEMETRY_SPOOL_LIMIT_BYTES or bring the broker back.",
-                            self.pending_dir, self._pending_bytes, self.spool_limit_bytes)
-            return
-        self._spool.emit(events)
-        self._pending_bytes += size
-        self._counters["spooled"] += len(events)
-
-    def _owner(self, name: str) -> tuple[str, int, str] | None:
-        """(host, pid, original name) of a pending file, or None for a foreign file."""
-        match = _CLAIMED.match(name) or _WRITTEN.match(name)
-        if match is None:
-            return None
-        original = match.groupdict().get("original") or name
-        return match["host"], int(match["pid"]), original
-
-    def _replayable(self, name: str) -> bool:
-        """Mine, or left by a dead process of this host (which nobody else will re-send)."""
-        owner = self._owner(name)
-        if owner is None or owner[0] != self._host:
-            return False
-        return owner[1] == os.getpid() or not _pid_alive(owner[1])
-
-    def _pending_files(self) -> list[Path]:
-        """Closed pending files to re-send. Files of dead processes are claimed first by an
-        atomic rename, so two live senders never replay the same file."""
-        if not self.pending_dir.is_dir():
-            return []
-        files = []
-        for path in sorted(self.pending_dir.glob("*.jsonl")):
-            owner = self._owner(path.name)
-            if owner is None or not self._replayable(path.name):
-                continue
-            if owner[1] != os.getpid():
-                claimed = path.with_name(f"claimed-{self._host}-{os.getpid()}-{owner[2]}")
-                try:
-                    path.rename(claimed)
-                except OSError:
-                    continue  # another process claimed it first
-                path = claimed
-            files.append(path)
-        return files
-
-    def _scan_pending(self) -> int:
-        if not self.pending_dir.is_dir():
-            return 0
-        total = 0
-        for path in self.pending_dir.glob("*.jsonl"):
-            if self._replayable(path.name):
-                with contextlib.suppress(OSError):
-                    total += path.stat().st_size
-        return total
-
-    def _replay(self, producer: Any) -> None:
-        # The file being appended to is closed first so it can be replayed and removed.
-        self._spool.close()
-        for path in self._pending_files():
+    def _pending(self, claim: bool) -> list[tuple[Path, int, int, bool]]:
+        """(segment, size, acknowledged offset, sealed) of what this process ships, oldest
+        first: its own segments and, claimed by an atomic rename so two live processes never
+        ship the same file, those of dead processes of this host."""
+        out = []
+        for path in segments(self.pending_dir):
+            info = parse_name(path.name)
+            if info is None or info["host"] != self._host:
+                continue  # another host's files are its own shipper's business
+            if info["pid"] != self._pid:
+                if pid_alive(info["pid"]):
+                    continue
+                if claim:
+                    claimed = path.with_name(f"claimed-{self._host}-{self._pid}-{info['original']}")
+                    try:
+                        path.rename(claimed)
+                    except OSError:
+                        continue  # another process claimed it first
+                    path = claimed
             try:
-                data = path.read_bytes()
+                st = path.stat()
             except OSError:
                 continue
-            # A last line without newline is a torn write by a crashed process: not an event.
-            events = decode_message(data[: data.rfind(b"\n") + 1])
-            failed = self._send(producer, events) if events else []
-            if failed:
-                return  # the broker went away again; the file stays for the next try
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self._pending_bytes = max(0, self._pending_bytes - len(data))
-            self._counters["resent"] += len(events)
-            producer = self._producer
-            if producer is None:
-                return
-        self._pending_bytes = self._scan_pending()
+            sealed = path != self._log.current_path and is_sealed(path, st)
+            out.append((path, st.st_size, min(read_acked(path), st.st_size), sealed))
+        return out
+
+    def _ship(self, producer: Any) -> None:
+        pending = self._pending(claim=producer is not None)
+        if producer is not None:
+            for path, size, acked, sealed in pending:
+                info = parse_name(path.name) or {}
+                if not self._ship_segment(producer, path, size, acked, sealed,
+                                          own=info.get("writer_pid") == self._pid):
+                    break
+                producer = self._producer
+                if producer is None:
+                    break
+            pending = self._pending(claim=False)
+        self._pending_bytes = self._pruner.enforce(pending)
+
+    def _ship_segment(self, producer: Any, path: Path, size: int, acked: int, sealed: bool,
+                      own: bool) -> bool:
+        """Ship ``path`` from ``acked`` on; delete it once sealed and shipped. False if the broker failed."""
+        while acked < size:
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(acked)
+                    data = handle.read(SHIP_CHUNK_BYTES)
+            except OSError:
+                return True  # dropped by the size cap meanwhile
+            end = data.rfind(b"\n") + 1
+            if end == 0:
+                if len(data) < SHIP_CHUNK_BYTES:
+                    break  # an append in progress, or a torn last line if sealed
+                end = len(data)  # no line is this long: garbage, passed on for the ingester to reject
+            done = self._send(producer, data[:end], own)
+            if done:
+                acked += done
+                with contextlib.suppress(OSError):
+                    write_acked(path, acked)
+            if done < end:
+                return False
+        if sealed:
+            # What is left after the last newline of a sealed file is a torn write, not an event.
+            remove_segment(path)
+        return True
 
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:
             # A forked child must not share the parent's producer (its sockets and threads).
-            self._pid = os.getpid()
-            self._producer = None
-            self._key = f"{self._host}-{self._pid}".encode()
-            self._counters = dict.fromkeys(self._counters, 0)
+            self._init_process()

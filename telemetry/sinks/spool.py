@@ -1,121 +1,96 @@
-"""Default sink: append-only JSON-lines spool files, one series per process."""
+"""Default sink: the write-ahead spool itself, read later by ``python -m telemetry.ingest --spool``.
+
+Events are appended by the emitting thread (see ``segments.SegmentLog``); the emitter's writer
+thread only fsyncs, seals rotated files and keeps the directory under its size cap. The
+ingester deletes sealed segments it has durably stored.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import socket
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from telemetry.sinks.base import Sink
+from telemetry.sinks.segments import (
+    DEFAULT_FSYNC,
+    SegmentLog,
+    SpoolPruner,
+    encode_line,
+    is_sealed,
+    segments,
+)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
-
-_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
-# Built once: json.dumps() with keyword options constructs a new encoder per call.
-# default=str is a last resort for events that did not come through span().
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
-
-
-def _safe_component(text: str) -> str:
-    return _UNSAFE_CHARS.sub("_", text) or "unknown"
+DEFAULT_SPOOL_LIMIT = 1024 * 1024 * 1024
+# Listing the directory to enforce the cap is cheap, but once a second is enough.
+PRUNE_EVERY_S = 1.0
 
 
 class SpoolSink(Sink):
     """Writes ``events-{host}-{pid}-{seq:05d}.jsonl`` files into ``spool_dir``.
 
-    Each process owns its files, so writers never interleave and a crash can only
-    tear the last line of a file.
+    Each process owns its files, so writers never interleave and a crash can only tear the
+    last line of a file. ``limit_bytes`` caps the whole directory: past it the oldest sealed
+    segments are dropped and their events counted in ``stats()["dropped"]``.
     """
+
+    inline: ClassVar[bool] = True
 
     def __init__(
         self,
         spool_dir: str | os.PathLike[str],
         max_bytes: int = DEFAULT_MAX_BYTES,
         host: str | None = None,
+        *,
+        limit_bytes: int = DEFAULT_SPOOL_LIMIT,
+        fsync: str = DEFAULT_FSYNC,
     ) -> None:
-        if max_bytes <= 0:
-            raise ValueError("max_bytes must be positive")
+        if max_bytes <= 0 or limit_bytes <= 0:
+            raise ValueError("max_bytes and limit_bytes must be positive")
         self.spool_dir = Path(spool_dir)
         self.max_bytes = max_bytes
-        self._host = _safe_component(host or socket.gethostname())
-        self._pid = os.getpid()
-        self._seq = 0
-        self._file: Any = None
-        self._size = 0
+        # Rotate well under the cap, or one open segment could hold the whole budget.
+        self._log = SegmentLog(self.spool_dir, min(max_bytes, max(1, limit_bytes // 4)), fsync, host)
+        self._pruner = SpoolPruner(self.spool_dir, limit_bytes, "not yet ingested")
+        self._last_prune = float("-inf")
 
     @property
     def current_path(self) -> Path | None:
-        return None if self._file is None else Path(self._file.name)
+        return self._log.current_path
 
-    def _check_fork(self) -> None:
-        pid = os.getpid()
-        if pid == self._pid:
-            return
-        # A forked child inherits the parent's open file; it must start its own series.
-        # The file is unbuffered, so closing the child's descriptor loses nothing.
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:
-                pass
-        self._file = None
-        self._size = 0
-        self._seq = 0
-        self._pid = pid
-
-    def _open_next(self) -> Any:
-        self.spool_dir.mkdir(parents=True, exist_ok=True)
-        while True:
-            name = f"events-{self._host}-{self._pid}-{self._seq:05d}.jsonl"
-            self._seq += 1
-            try:
-                # Exclusive create: a reused pid (e.g. container restarts) must never
-                # append to a file written by an earlier process.
-                handle = open(self.spool_dir / name, "xb", buffering=0)  # noqa: SIM115
-            except FileExistsError:
-                continue
-            self._file = handle
-            self._size = 0
-            return handle
+    def append(self, event: dict[str, Any]) -> None:
+        self._log.append(encode_line(event))
 
     def emit(self, batch: list[dict[str, Any]]) -> None:
-        if not batch:
-            return
-        self._check_fork()
-        data = ("\n".join(map(_ENCODER.encode, batch)) + "\n").encode("utf-8")
-        handle = self._file if self._file is not None else self._open_next()
-        view = memoryview(data)
-        # One write() per batch; the loop only matters for a short write (e.g. disk full).
-        while view:
-            written = handle.write(view)
-            if written is None or written <= 0:
-                raise OSError(f"short write to {handle.name}")
-            view = view[written:]
-        handle.flush()
-        self._size += len(data)
-        if self._size >= self.max_bytes:
-            self._close_file()
+        for event in batch:
+            self.append(event)
 
-    def _close_file(self) -> None:
-        handle, self._file = self._file, None
-        if handle is None:
+    def poll(self) -> None:
+        self._log.sync()
+        now = time.monotonic()
+        if now - self._last_prune < PRUNE_EVERY_S:
             return
-        try:
-            os.fsync(handle.fileno())
-        finally:
-            handle.close()
+        self._last_prune = now
+        pending = []
+        for path in segments(self.spool_dir):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            pending.append((path, st.st_size, 0, is_sealed(path, st) and path != self._log.current_path))
+        self._pruner.enforce(pending)
 
     def flush(self) -> None:
-        self._check_fork()
-        if self._file is not None:
-            self._file.flush()
+        self._log.sync()
 
     def close(self) -> None:
-        self._check_fork()
-        self._close_file()
+        self._log.close()
+
+    def stats(self) -> dict[str, int]:
+        return {"appended": self._log.appended, "dropped": self._pruner.dropped}
 
 
 def read_spool(spool_dir: str | os.PathLike[str], strict: bool = False) -> list[dict[str, Any]]:
@@ -129,7 +104,10 @@ def read_spool(spool_dir: str | os.PathLike[str], strict: bool = False) -> list[
         return []
     events: list[dict[str, Any]] = []
     for path in sorted(root.glob("*.jsonl")):
-        lines = path.read_bytes().split(b"\n")
+        try:
+            lines = path.read_bytes().split(b"\n")
+        except FileNotFoundError:
+            continue  # ingested and deleted since the listing
         # The final element is b"" for a complete file, otherwise a torn fragment.
         for lineno, line in enumerate(lines[:-1], start=1):
             if not line.strip():
