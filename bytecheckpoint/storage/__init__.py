@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from ..errors import StorageError
+from ..errors import InvalidStorageURLError, StorageError
+from ..redact import redact
 from . import faults
 from .base import CommitMode, Storage, Writer
 from .config import settings
@@ -65,13 +66,15 @@ def open_backend(url: str) -> tuple[Storage, str]:
     entry = _REGISTRY.get(scheme)
     if entry is None:
         known = ", ".join(f"{s}://" for s in sorted(_REGISTRY))
-        raise StorageError(f"no storage backend for {scheme}:// (known: {known})")
+        raise InvalidStorageURLError(redact(f"{url}: no storage backend for {scheme}:// (known: {known})"))
     target, hint = entry
     if callable(target):
-        return target(), path
-    module, _, cls = target.partition(":")
-    try:
-        backend = getattr(importlib.import_module(module), cls)
-    except ModuleNotFoundError as exc:
-        raise StorageError(f"storage backend {scheme}:// is not installed: {hint or exc}") from exc
-    return backend(), path
+        backend = target()
+    else:
+        module, _, cls = target.partition(":")
+        try:
+            backend = getattr(importlib.import_module(module), cls)()
+        except ModuleNotFoundError as exc:
+            raise StorageError(f"storage backend {scheme}:// is not installed: {hint or exc}") from exc
+    backend.check_path(path)
+    return backend, path

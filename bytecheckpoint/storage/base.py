@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import abc
 import enum
+import logging
 import posixpath
 from collections.abc import Sequence
 from typing import ClassVar
+
+from ..errors import NotARegularFileError
+
+log = logging.getLogger("bytecheckpoint.storage")
 
 
 class CommitMode(str, enum.Enum):
@@ -39,6 +44,14 @@ class Writer(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """Close and discard what was written."""
+
+
+def abort_quietly(writer: Writer) -> None:
+    """Abort ``writer`` after a failure without hiding that failure behind the abort's own."""
+    try:
+        writer.abort()
+    except Exception as exc:  # noqa: BLE001 - the original error is the one to report
+        log.warning("could not discard a partly written file: %s", exc)
 
 
 class Storage(abc.ABC):
@@ -88,11 +101,18 @@ class Storage(abc.ABC):
     def delete(self, path: str) -> None:
         """Remove a file or a directory tree; a missing path is not an error."""
 
+    def check_path(self, path: str) -> None:
+        """Raise :class:`~bytecheckpoint.errors.InvalidStorageURLError` when ``path`` cannot name
+        anything on this backend (an S3 path without a bucket); called when a URL is opened, so
+        a malformed one fails at once instead of being retried."""
+
     # -- derived -----------------------------------------------------------------
     def exists(self, path: str) -> bool:
         try:
             self.size(path)
             return True
+        except NotARegularFileError:
+            return True  # something is there, just not a file
         except (FileNotFoundError, IsADirectoryError):
             return self.is_dir(path)
 
@@ -110,7 +130,7 @@ class Storage(abc.ABC):
         try:
             writer.write(data)
         except BaseException:
-            writer.abort()
+            abort_quietly(writer)
             raise
         return writer.commit()
 
@@ -120,7 +140,7 @@ class Storage(abc.ABC):
             for chunk in chunks:
                 writer.write(chunk)
         except BaseException:
-            writer.abort()
+            abort_quietly(writer)
             raise
         return writer.commit()
 

@@ -6,6 +6,8 @@ Used by tests and drills. A spec is a ``;``-separated list of ``key=value`` sett
     fail_every=K       fail every K-th matching call
     fail_fraction=P    fail each matching call with probability P (seeded: ``seed=``)
     permanent=1        injected failures are permanent (permission denied) instead of transient
+    errno=ENOSPC       injected failures are that operating-system error, with no path, as a
+                       full disk's write gives it (retried only if that errno is transient)
     latency_s=S        sleep S seconds before each matching call
     truncate_bytes=N   a matching writer silently drops the last N bytes of its file
     ops=write,read_into    which operations match (default: all; names as in ``OPS``)
@@ -20,6 +22,7 @@ real one would be, and injected latency shows in the I/O events.
 
 from __future__ import annotations
 
+import errno as errno_module
 import os
 import random
 import threading
@@ -44,6 +47,7 @@ class FaultSpec:
     fail_every: int = 0
     fail_fraction: float = 0.0
     permanent: bool = False
+    errno: int = 0
     latency_s: float = 0.0
     truncate_bytes: int = 0
     ops: frozenset[str] = frozenset(OPS)
@@ -75,6 +79,11 @@ class FaultSpec:
                     fields[key] = frozenset(int(v) for v in value.split(",") if v.strip())
                 elif key == "path":
                     fields[key] = value
+                elif key == "errno":
+                    code = getattr(errno_module, value.upper(), None) if not value.isdigit() else int(value)
+                    if not isinstance(code, int) or code <= 0:
+                        raise ValueError(f"unknown errno {value!r}; give a name such as ENOSPC")
+                    fields[key] = code
                 else:
                     raise ValueError(f"unknown setting {key!r}")
             except ValueError as exc:
@@ -113,6 +122,8 @@ class _Injector:
                 self.injected += 1
         if not fail:
             return
+        if s.errno:
+            raise OSError(s.errno, os.strerror(s.errno))  # no path: what a failed syscall gives
         if s.permanent:
             raise PermanentStorageError(f"injected fault: permission denied on {op} {path} (call {n})")
         raise TransientStorageError(f"injected fault: transient failure of {op} {path} (call {n})")

@@ -8,9 +8,12 @@ recycled part of the page cache (``writeback``; ``BCP_STORAGE_DROP_BEHIND``).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 
+from ..errors import NotARegularFileError
 from . import parallel
 from .base import CommitMode, Storage, Writer
 from .config import TransferSettings, settings
@@ -82,12 +85,44 @@ def _preadv_all(fd: int, offset: int, views: list[memoryview], drop: bool = Fals
     return total
 
 
+def _refuse_special(path: str, mode: int) -> None:
+    """A storage file must be a regular file: a directory is the usual answer, anything else
+    (a FIFO would block the open until a writer came) is refused by name."""
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", path)
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise NotARegularFileError(f"{path} is {kind}, not a regular file; refusing to read it "
+                                   "(replace it with the file that belongs there)",
+                                   op="open", path=path, errno=errno.EINVAL)
+
+
+def _open_regular(path: str) -> int:
+    """Open ``path`` for reading, never blocking on a FIFO, and only if it is a regular file."""
+    _refuse_special(path, os.stat(path).st_mode)  # checked before the open: no FIFO is opened
+    # O_NONBLOCK as well, should a FIFO be swapped in after the check; no effect on a file.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        _refuse_special(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class _LocalWriter(Writer):
     def __init__(self, path: str, fsync: bool, transfer: TransferSettings) -> None:
         self._path = path
         self._fsync = fsync
         self._transfer = transfer
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # O_NONBLOCK: a FIFO planted at the path fails the open (ENXIO) instead of blocking it.
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o644)
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):  # a device or FIFO at the path: never write into it
+            os.close(self._fd)
+            _refuse_special(path, st.st_mode)
+        self._identity = (st.st_dev, st.st_ino)
         self._size = 0
         # Without fsync nothing waits for the disk, so there is nothing to overlap.
         self._behind = WriteBehind(self._fd, transfer.write_behind_bytes if fsync else 0,
@@ -120,7 +155,10 @@ class _LocalWriter(Writer):
             os.close(self._fd)
         finally:
             try:
-                os.unlink(self._path)
+                st = os.lstat(self._path)
+                # Only the file this writer wrote: never one that replaced it at the path since.
+                if (st.st_dev, st.st_ino) == self._identity:
+                    os.unlink(self._path)
             except FileNotFoundError:
                 pass
 
@@ -146,13 +184,13 @@ class LocalStorage(Storage):
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         path = self._os_path(path)
-        os.stat(path)  # a missing file raises here, before any part is scheduled
+        os.close(_open_regular(path))  # missing or not a file: raises here, before any part runs
         drop = self._drops_reads(len(buffer))
 
         def read_part(off: int, view: memoryview) -> int:
             # One descriptor per part: the kernel keeps readahead state per open file, and
             # parts sharing one descriptor would reset each other's.
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_regular(path)
             try:
                 os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_SEQUENTIAL)
                 return _pread_all(fd, off, view, drop)
@@ -162,7 +200,7 @@ class LocalStorage(Storage):
         n = parallel.read_parts(read_part, offset, buffer, self.transfer)
         if drop and self.transfer.parallel:
             # A part's readahead may have cached the start of a part already read and dropped.
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_regular(path)
             try:
                 drop_pages(fd, offset, n)
             finally:
@@ -173,7 +211,7 @@ class LocalStorage(Storage):
         # One descriptor and one sequential pass: the kernel's readahead sees one stream,
         # where a read per buffer would open the file again and restart it each time.
         views = [memoryview(b).cast("B") for b in buffers]
-        fd = os.open(self._os_path(path), os.O_RDONLY)
+        fd = _open_regular(self._os_path(path))
         try:
             size = sum(len(v) for v in views)
             os.posix_fadvise(fd, offset, size, os.POSIX_FADV_SEQUENTIAL)
@@ -188,9 +226,12 @@ class LocalStorage(Storage):
     def size(self, path: str) -> int:
         path = self._os_path(path)
         st = os.stat(path)
-        if not os.path.isfile(path):
-            raise IsADirectoryError(path)
+        _refuse_special(path, st.st_mode)
         return st.st_size
+
+    def exists(self, path: str) -> bool:
+        # Anything at the path exists, a FIFO included (size() refuses those by name).
+        return os.path.exists(self._os_path(path))
 
     def list_dir(self, path: str) -> list[str]:
         try:

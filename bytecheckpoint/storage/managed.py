@@ -6,17 +6,26 @@ latency and outcome. A writer's calls are events too: ``storage.open``, ``storag
 per buffer, ``storage.commit``, ``storage.abort``. Retried failures also emit
 ``storage.retry`` events, so flaky storage shows up even when every operation succeeds.
 "Not found" is an answer, not a failure: its event has outcome ok and ``found=False``.
+
+Every retry is also logged (logger ``bytecheckpoint.storage``, warning: what failed, which
+attempt, the wait), so a slow failure is never a silent one. An operating-system error that
+is not an answer (a full disk, a read-only file system, no permission) comes out as a
+:class:`~bytecheckpoint.errors.StorageIOError` that names the operation and the path and
+keeps ``errno``. URLs in messages and logs have their credentials masked.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from telemetry import span
 
-from ..errors import TransientStorageError
+from ..errors import StorageError, StorageIOError, TransientStorageError
+from ..redact import redact
 from . import retry
 from .base import Storage, Writer
 from .config import RetrySettings
@@ -25,14 +34,38 @@ from .wrapper import StorageWrapper
 T = TypeVar("T")
 
 _EVENT_NAMES = {"read_into": "storage.read", "list_dir": "storage.list", "open_writer": "storage.open"}
+log = logging.getLogger("bytecheckpoint.storage")
+
+# Answers the callers act on (a missing file, a name taken): passed through as they are.
+_ANSWERS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+_ADVICE = {
+    errno.ENOSPC: "the device is full: free space or save elsewhere",
+    errno.EDQUOT: "the disk quota is exceeded: free space or raise the quota",
+    errno.EROFS: "the file system is read-only: remount it read-write or save elsewhere",
+    errno.EACCES: "permission denied: grant this user access or use another path",
+    errno.EPERM: "operation not permitted: check the owner and permissions",
+    errno.EIO: "an I/O error from the device: check the disk (dmesg) before retrying",
+    errno.EFBIG: "the file is too large for this file system or the process limit (ulimit -f)",
+    errno.ENAMETOOLONG: "the path is too long: use a shorter one",
+}
 
 
 def _gave_up(op: str, url: str, exc: BaseException, attempts: int, started: float) -> TransientStorageError:
-    return TransientStorageError(
+    return TransientStorageError(redact(
         f"{op} {url} failed after {attempts} attempts over {time.monotonic() - started:.1f}s: {exc}. "
         "The storage is unreachable or overloaded: check the endpoint and network, or allow more "
         "retries with BCP_STORAGE_RETRY_ATTEMPTS / BCP_STORAGE_RETRY_DEADLINE_S"
-    )
+    ))
+
+
+def _os_failure(op: str, url: str, exc: OSError) -> StorageIOError:
+    """A plain OSError (no path, often) as a named error saying what was done, where, and why."""
+    code = exc.errno
+    name = errno.errorcode.get(code, str(code)) if code is not None else "error"
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    advice = _ADVICE.get(code, "") if code is not None else ""
+    message = redact(f"{op} {url} failed: {reason} ({name})" + (f"; {advice}" if advice else ""))
+    return StorageIOError(message, op=op, path=redact(url), errno=code)
 
 
 class ManagedStorage(StorageWrapper):
@@ -44,6 +77,9 @@ class ManagedStorage(StorageWrapper):
         started = time.monotonic()
 
         def on_retry(attempt: int, exc: BaseException, delay: float) -> None:
+            log.warning("%s", redact(f"storage: {op} {self.url(path)} failed (attempt {attempt} of "
+                                     f"{self.policy.attempts}: {type(exc).__name__}: {exc}); "
+                                     f"retrying in {delay:.2f}s"))
             with span("storage.retry", op=op, backend=self.scheme, path=self.url(path), attempt=attempt,
                       delay_s=round(delay, 4), error=f"{type(exc).__name__}: {exc}"[:300]):
                 pass
@@ -55,6 +91,8 @@ class ManagedStorage(StorageWrapper):
             event.set(attempt=attempts)
             if retry.is_transient(exc):
                 raise _gave_up(op, self.url(path), exc, attempts, started) from exc
+            if isinstance(exc, OSError) and not isinstance(exc, (StorageError, *_ANSWERS)):
+                raise _os_failure(op, self.url(path), exc) from exc
             raise
 
     def _call(self, op: str, path: str, fn: Callable[[], T], nbytes: int | None = None,

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
-from ..errors import PermanentStorageError, StorageError, TransientStorageError
+from ..errors import InvalidStorageURLError, PermanentStorageError, StorageError, TransientStorageError
 from . import parallel
 from .base import CommitMode, Storage, Writer
 from .config import RetrySettings, S3Settings, TransferSettings, settings
@@ -43,6 +43,7 @@ _PERMANENT = {
     "EXPIRED_TOKEN": "the session token has expired: refresh the credentials",
     "INVALID_BUCKET_NAME": "the bucket name is not valid: fix the path",
 }
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 _FORBIDDEN = re.compile(r"HTTP response code:?\s*403|\b403\b.*Forbidden")
 
 
@@ -184,11 +185,23 @@ class S3Storage(Storage):
         with _errors("S3 client setup"):
             self.fs = _filesystem(s3 or conf.s3, retry or conf.retry)
 
+    def check_path(self, path: str) -> None:
+        bucket = path.split("/", 1)[0]
+        if not bucket:
+            raise InvalidStorageURLError(f"s3://{path}: an s3:// URL needs a bucket, as in s3://bucket/prefix")
+        if "@" in bucket or ":" in bucket:
+            raise InvalidStorageURLError(
+                "an s3:// URL takes no credentials or port: give s3://bucket/prefix, with the keys in "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the endpoint in BCP_S3_ENDPOINT")
+        if not _BUCKET.fullmatch(bucket):
+            raise InvalidStorageURLError(f"s3://{path}: {bucket!r} is not a valid bucket name (3-63 "
+                                         "lowercase letters, digits, '.' and '-')")
+
     @staticmethod
     def _key(path: str) -> str:
         path = path.strip("/")
         if not path:
-            raise PermanentStorageError("an s3:// path needs a bucket: s3://bucket/prefix")
+            raise InvalidStorageURLError("an s3:// path needs a bucket: s3://bucket/prefix")
         return path
 
     def open_writer(self, path: str) -> Writer:
