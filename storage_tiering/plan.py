@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .catalog import CheckpointInfo
+from .catalog import CheckpointInfo, untouchable_reason
 from .config import TieringConfig
 from .policies import AllOf, Context, EveryKSteps, FullyCold, NewestPerRun, Not, OlderThan, Untouchable
 
@@ -24,16 +24,9 @@ class Decision:
 
 
 def _why_kept(c: CheckpointInfo, newest: bool, old: bool) -> str:
-    if not c.committed:
-        return "uncommitted"
-    if c.staging:
-        return "a save to this path is under way"
-    if c.pinned:
-        return "pinned"
-    if c.being_read:
-        return "being read (lease)"
-    if c.latest:
-        return "named by latest"
+    why = untouchable_reason(c)
+    if why is not None:
+        return why
     if newest:
         return "among the newest of its run"
     if c.state == "cold":

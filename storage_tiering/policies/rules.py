@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..catalog import CheckpointInfo
+from ..catalog import CheckpointInfo, untouchable_reason
 from .base import Context
 
 
@@ -22,14 +22,15 @@ class OlderThan:
 
 @dataclass(frozen=True)
 class NewestPerRun:
-    """The ``n`` newest committed checkpoints of each run (by step, then commit time)."""
+    """The ``n`` newest committed checkpoints of each run (by step, then commit time). One that
+    cannot be ordered (``problem``) takes no place among them: it is kept by ``Untouchable``."""
 
     n: int
 
     def select(self, checkpoints: Sequence[CheckpointInfo], *, context: Context) -> list[bool]:
         runs: dict[str, list[int]] = defaultdict(list)
         for i, c in enumerate(checkpoints):
-            if c.committed:
+            if c.committed and c.problem is None:
                 runs[c.run].append(i)
         keep = set()
         for idx in runs.values():
@@ -46,16 +47,17 @@ class EveryKSteps:
     k: int
 
     def select(self, checkpoints: Sequence[CheckpointInfo], *, context: Context) -> list[bool]:
-        return [bool(self.k) and c.step is not None and c.step % self.k == 0 for c in checkpoints]
+        return [bool(self.k) and isinstance(c.step, int) and c.step % self.k == 0 for c in checkpoints]
 
 
 @dataclass(frozen=True)
 class Untouchable:
-    """Never moved or deleted: uncommitted (or a save under way), pinned, being read, or
-    named by the run's ``latest`` pointer."""
+    """Never moved or deleted: uncommitted (or a save under way), pinned, being read, named by
+    the run's ``latest`` pointer, or impossible to classify safely (``problem``: an odd step,
+    an unreadable ``latest``)."""
 
     def select(self, checkpoints: Sequence[CheckpointInfo], *, context: Context) -> list[bool]:
-        return [not c.committed or c.staging or c.pinned or c.being_read or c.latest for c in checkpoints]
+        return [untouchable_reason(c) is not None for c in checkpoints]
 
 
 @dataclass(frozen=True)
