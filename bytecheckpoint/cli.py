@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
-import uuid
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,9 +30,11 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
+    InvalidStorageURLError,
     NotACheckpointError,
     StorageError,
 )
+from .redact import redact
 
 # Exit codes (also in the README): scripts may rely on them.
 EXIT_OK = 0
@@ -41,7 +44,9 @@ EXIT_NOT_A_CHECKPOINT = 3  # no checkpoint there, or it never committed
 EXIT_CORRUPT = 4  # metadata or storage files unreadable, unsafe or inconsistent
 EXIT_EXISTS = 5  # the output exists (pass --overwrite)
 EXIT_STORAGE = 6  # the storage failed (after its retries) or refused
+EXIT_INTERNAL = 70  # an unexpected error (a bug): one line, the traceback with --debug
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # the reader of the output went away (| head), as for SIGPIPE
 
 EPILOG = """exit codes:
   0  success
@@ -50,8 +55,10 @@ EPILOG = """exit codes:
   3  not a checkpoint (nothing there, or a save that never committed)
   4  corrupt or unsafe checkpoint (unreadable metadata, missing or damaged file)
   5  the output already exists (pass --overwrite)
-  6  storage error (failed after retries, or refused: permissions, bucket)
+  6  storage error (failed after retries, or refused: permissions, full disk, bucket)
+  70  unexpected internal error (a bug; --debug or BCP_DEBUG=1 prints the traceback)
   130 interrupted
+  141 the output pipe was closed (e.g. bcp ls | head): stopped quietly
 bcp tier / ingest / alerts / dashboard exit with the code of the service they run."""
 
 
@@ -109,20 +116,33 @@ def _progress(description: str, total: int | None, enabled: bool) -> Iterator[Ca
 
 # -- ls / gc: the tiering catalog ------------------------------------------------------------------
 
-_NO_COLD = os.path.join(os.sep, "\0no-cold-tier")  # a prefix no link target has
+def _hot_root(root: str) -> str:
+    """The root ``bcp ls`` and ``gc`` scan: ROOT itself, or its parent when ROOT is one checkpoint."""
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        what = "is not a directory" if os.path.lexists(root) else "no such directory"
+        raise NotACheckpointError(f"{root}: {what} (bcp ls and gc take a local root of checkpoints)")
+    return os.path.dirname(root) if _is_one_checkpoint(root) else root
+
+
+def _is_one_checkpoint(root: str) -> bool:
+    return os.path.lexists(os.path.join(root, "metadata.msgpack"))
 
 
 def _catalog(root: str, cold: str | None) -> list[Any]:
-    from storage_tiering.catalog import scan
+    from storage_tiering.catalog import describe, scan
 
-    root = os.path.abspath(root)
-    if not os.path.isdir(root):
-        raise NotACheckpointError(f"{root}: no such directory (bcp ls and gc take a local root)")
-    cold_root = os.path.abspath(cold) if cold else _NO_COLD
-    if os.path.exists(os.path.join(root, "metadata.msgpack")):  # ROOT is one checkpoint
-        parent = os.path.dirname(root)
-        return [c for c in scan(parent, cold_root) if c.path == root]
-    return scan(root, cold_root)
+    hot = _hot_root(root)
+    cold_root = os.path.abspath(cold) if cold else None
+    if _is_one_checkpoint(os.path.abspath(root)):  # ROOT is one checkpoint: only it
+        one = describe(os.path.abspath(root), hot, cold_root)
+        return [one] if one is not None else []
+    return scan(hot, cold_root)
+
+
+def _step_key(c: Any) -> tuple[str, int, str]:
+    """A sort key every catalog entry has, whatever its step (an odd one sorts first)."""
+    return (str(c.run), c.step if isinstance(c.step, int) else -1, str(c.name))
 
 
 def _layout_text(meta: Any) -> str:
@@ -138,21 +158,21 @@ def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
     from storage_tiering.catalog import read_meta
 
     rows = []
-    for c in sorted(checkpoints, key=lambda c: (c.run, c.step if c.step is not None else -1, c.name)):
+    for c in sorted(checkpoints, key=_step_key):
         row: dict[str, Any] = {
             "run": c.run, "name": c.name, "path": c.path, "step": c.step, "committed": c.committed,
             "size": c.size, "files": max(len(c.files) - 1, 0) if c.committed else 0,
             "framework": None, "world_size": None, "layout": None,
             "tier": "staging" if (c.staging and not c.committed) else c.state,
             "age_s": round(now - c.modified, 3), "latest": c.latest, "pinned": c.pinned,
-            "being_read": c.being_read,
+            "being_read": c.being_read, "problem": c.problem,
         }
         if c.committed:
             try:
                 meta = read_meta(c.path)
                 row.update(framework=meta.framework, world_size=meta.world_size, layout=meta.layout,
                            layout_text=_layout_text(meta))
-            except (OSError, CheckpointError) as exc:
+            except (OSError, CheckpointError, ValueError, TypeError) as exc:
                 row.update(committed=False, tier="unreadable", error=str(exc))
         rows.append(row)
     return rows
@@ -170,13 +190,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
     table = []
     for r in rows:
         flags = ",".join(f for f, on in (("latest", r["latest"]), ("pinned", r["pinned"]),
-                                         ("reading", r["being_read"])) if on)
+                                         ("reading", r["being_read"]), ("unclassified", r["problem"]))
+                         if on)
         table.append([os.path.normpath(os.path.join(r["run"], r["name"])),
                       "-" if r["step"] is None else r["step"], _human(r["size"]) if r["committed"] else "-",
                       r["files"] or "-", r.get("layout_text") or "-", r["framework"] or "-",
                       "yes" if r["committed"] else "no", r["tier"], _age(r["age_s"]), flags])
     print(_table(["CHECKPOINT", "STEP", "SIZE", "FILES", "WORLD", "FRAMEWORK", "COMMITTED", "TIER", "AGE",
                   "FLAGS"], table))
+    for r in rows:
+        if r["problem"]:
+            print(f"note: {os.path.normpath(os.path.join(r['run'], r['name']))}: {r['problem']}; gc and "
+                  "tiering leave it alone", file=sys.stderr)
     return EXIT_OK
 
 
@@ -190,8 +215,10 @@ class GcDecision:
 def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> list[GcDecision]:
     """Pure retention decision per checkpoint: delete a committed checkpoint unless it is among
     the newest ``keep_last`` of its run, its step is a multiple of ``keep_every``, or it is
-    untouchable (uncommitted, a save under way, pinned, being read, named by ``latest``). The
-    newest committed checkpoint of each run is always kept, whatever ``keep_last`` says."""
+    untouchable (uncommitted, a save under way, pinned, being read, named by ``latest``, or
+    impossible to classify: an odd step, unreadable metadata or ``latest``). The newest
+    committed checkpoint of each run is always kept, whatever ``keep_last`` says."""
+    from storage_tiering.catalog import untouchable_reason
     from storage_tiering.policies import Context, EveryKSteps, NewestPerRun
 
     ctx = Context(now=0.0)
@@ -199,71 +226,56 @@ def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> l
     every = EveryKSteps(keep_every).select(checkpoints, context=ctx)
     out = []
     for c, is_new, is_kth in zip(checkpoints, newest, every):
-        if not c.committed:
-            reason = "a save is being written" if c.staging else "uncommitted"
-        elif c.staging:
-            reason = "a save to this path is under way"
-        elif c.pinned:
-            reason = "pinned"
-        elif c.being_read:
-            reason = "being read (lease)"
-        elif c.latest:
-            reason = "named by latest"
-        elif is_new:
+        reason = untouchable_reason(c)
+        if reason is None and is_new:
             reason = f"among the newest {max(keep_last, 1)} of its run"
-        elif is_kth:
+        elif reason is None and is_kth:
             reason = f"step is a multiple of {keep_every}"
-        else:
+        if reason is None:
             out.append(GcDecision(c, True, "beyond --keep-last"))
-            continue
-        out.append(GcDecision(c, False, reason))
+        else:
+            out.append(GcDecision(c, False, reason))
     return out
 
 
-def _delete_checkpoint(path: str, cold_root: str) -> None:
-    """Rename aside first, so the checkpoint stops being one at once, then delete it (and the
-    cold copies its links point to)."""
-    from storage_tiering.catalog import is_cold_link
-    from storage_tiering.mover import delete_tree
-
-    parent, name = os.path.split(path)
-    cold_dirs = {os.path.dirname(os.readlink(os.path.join(path, n))) for n in os.listdir(path)
-                 if is_cold_link(os.path.join(path, n), cold_root)}
-    trash = os.path.join(parent, f".{name}.deleting-{uuid.uuid4().hex[:12]}")
-    os.rename(path, trash)
-    delete_tree(trash, cold_root)
-    for d in cold_dirs:  # the cold copy's directory, now empty
-        try:
-            os.rmdir(d)
-        except OSError:
-            pass  # not empty: something else lives there; leave it
+def _check_gc_root(root: str) -> None:
+    """Refuse roots whose scan could reach far more than checkpoints: / and the home directory."""
+    real = os.path.realpath(root)
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real == os.path.realpath(os.sep) or real == home:
+        raise UsageError(f"refusing to collect garbage in {real} (the file system root or the home "
+                         "directory): give the directory that holds the runs' checkpoints")
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from storage_tiering.mover import MoveError, delete_checkpoint
+
     if args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1: the newest committed checkpoint is never deleted")
     if args.keep_every < 0:
         raise UsageError("--keep-every must be 0 (off) or positive")
-    cold_root = os.path.abspath(args.cold) if args.cold else _NO_COLD
+    _check_gc_root(args.root)
+    hot_root = _hot_root(args.root)
+    cold_root = os.path.abspath(args.cold) if args.cold else None
+    if cold_root is not None and not os.path.isdir(cold_root):
+        raise UsageError(f"--cold {cold_root}: no such directory (is the cold tier mounted?)")
     decisions = plan_gc(_catalog(args.root, args.cold), keep_last=args.keep_last, keep_every=args.keep_every)
-    decisions.sort(key=lambda d: (d.checkpoint.run,
-                                  d.checkpoint.step if d.checkpoint.step is not None else -1))
+    decisions.sort(key=lambda d: _step_key(d.checkpoint))
     doomed = [d for d in decisions if d.delete]
     act = args.yes
     deleted, failed = [], {}
     if act:
         with _progress("deleting", len(doomed), not args.quiet) as advance:
             for d in doomed:
-                # Re-check just before deleting: a pin or lease may have appeared meanwhile.
-                fresh = _catalog(d.checkpoint.path, args.cold)
-                if len(fresh) != 1 or _protected(fresh[0]):
-                    failed[d.checkpoint.path] = "became pinned, leased or uncommitted; kept"
-                else:
-                    try:
-                        _delete_checkpoint(d.checkpoint.path, cold_root)
-                        deleted.append(d.checkpoint.path)
-                    except OSError as exc:
-                        failed[d.checkpoint.path] = str(exc)
+                # Checked again just before deleting: a pin, a lease, a save to the path may
+                # have appeared meanwhile; only files proved to be this checkpoint's go.
+                try:
+                    delete_checkpoint(d.checkpoint, hot_root, cold_root, None)
+                    deleted.append(d.checkpoint.path)
+                except MoveError as exc:
+                    failed[d.checkpoint.path] = str(exc)
+                except OSError as exc:
+                    failed[d.checkpoint.path] = f"{exc.strerror or exc} ({exc.filename or d.checkpoint.path})"
                 advance(1)
     freed = sum(d.checkpoint.size for d in doomed if not act or d.checkpoint.path in deleted)
     if args.json:
@@ -288,19 +300,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _protected(c: Any) -> bool:
-    """Never deleted, whatever the retention counts say."""
-    return not c.committed or c.staging or c.pinned or c.being_read or c.latest
-
-
 # -- inspect / verify ------------------------------------------------------------------------------
 
 def _inspect_doc(url: str) -> dict[str, Any]:
     import numpy as np
 
-    from .integrity import read_metadata, resolve
+    from .integrity import read_metadata
 
-    storage, path = resolve(url)
+    storage, path = _resolve(url)
     meta = read_metadata(storage, path)
     counts = np.bincount(meta.boxes.tensor, minlength=len(meta.tensors)) if len(meta.tensors) else []
     tensors = [{"key": t.key, "shape": list(t.shape), "dtype": t.dtype, "boxes": int(n),
@@ -329,13 +336,22 @@ def _inspect_doc(url: str) -> dict[str, Any]:
     }
 
 
+def _when(timestamp: Any) -> str:
+    """A metadata timestamp as a UTC date, or what is wrong with it (it may hold anything)."""
+    if not timestamp:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(timestamp)))
+    except (OverflowError, OSError, ValueError, TypeError):
+        return f"invalid ({str(timestamp)[:40]})"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     doc = _inspect_doc(args.path)
     if args.json:
         _print_json(doc)
         return EXIT_OK
-    created = (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(doc["created_at"]))
-               if doc["created_at"] else "-")
+    created = _when(doc["created_at"])
     print(f"checkpoint  {doc['path']}")
     print(f"step        {doc['step']}")
     print(f"framework   {doc['framework']}   saved by {doc['world_size']} rank(s)   "
@@ -369,10 +385,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from .integrity import read_metadata, resolve, verify_files
+def _resolve(url: str) -> tuple[Any, str]:
+    """The checkpoint at ``url``; a local path that is a file (or a device) is no checkpoint."""
+    from .integrity import resolve
+    from .storage import split_url
 
-    storage, path = resolve(args.path)
+    scheme, local = split_url(url)
+    if scheme == "file" and os.path.lexists(local) and not os.path.isdir(local):
+        raise NotACheckpointError(f"{url} is a file, not a checkpoint directory (a checkpoint is a "
+                                  "directory holding metadata.msgpack, or a root with a 'latest' pointer)")
+    return resolve(url)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .integrity import read_metadata, verify_files
+
+    storage, path = _resolve(args.path)
     total = sum(f.size for f in read_metadata(storage, path).files)
     t0 = time.perf_counter()
     with _progress("verifying", total, not args.quiet) as advance:
@@ -399,6 +427,18 @@ def _names(args: argparse.Namespace) -> Any:
     return NameMap.parse(args.strip_prefix or (), args.rename or ())
 
 
+def _check_export_target(url: str, out: str) -> None:
+    """OUT must not be the checkpoint, inside it, or a directory holding it: replacing OUT
+    (--overwrite) would delete the checkpoint, and writing into it would change it."""
+    storage, path = _resolve(url)
+    if storage.scheme != "file":
+        return
+    ckpt, target = os.path.realpath(path), os.path.realpath(out)
+    if os.path.commonpath([ckpt, target]) in (ckpt, target):
+        raise UsageError(f"OUT {out} {'is' if ckpt == target else 'overlaps'} the checkpoint {ckpt}: "
+                         "choose a directory outside it")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import parse_dtype, parse_size, plan_export
 
@@ -411,6 +451,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         names = _names(args)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
+    _check_export_target(args.path, args.out)
     _, _, model, optim = plan_export(args.path, model_key=args.model_key,
                                      include_optimizer=args.include_optimizer, names=names, dtype=dtype)
     total = sum(it.out_bytes for it in model + optim)
@@ -490,11 +531,28 @@ SERVICES = {
 
 # -- parser ----------------------------------------------------------------------------------------
 
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (a bad one is a usage error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        return value
+
+    parse.__name__ = "count"  # what argparse names in its message
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="bcp", description="bytecheckpoint's operator command line.\n\n"
                                 + "\n".join(__doc__.splitlines()[2:13]), epilog=EPILOG, formatter_class=fmt)
     p.add_argument("--version", action="version", version=_version())
+    p.add_argument("--debug", action="store_true",
+                   help="print the full traceback of an unexpected error (also BCP_DEBUG=1)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -520,14 +578,15 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("path", metavar="PATH")
     ins.add_argument("--json", action="store_true", help="machine-readable output (every tensor)")
     ins.add_argument("--all", action="store_true", help="list every tensor")
-    ins.add_argument("--max-rows", type=int, default=200, help="tensors listed without --all (default 200)")
+    ins.add_argument("--max-rows", type=_count(0), default=200,
+                     help="tensors listed without --all (default 200)")
     ins.set_defaults(fn=cmd_inspect)
 
     ver = add("verify", "re-check every checksum of a checkpoint",
               "Read every stored piece back and check its checksums, in parallel. Prints each bad file and "
               "exits 1 when any is found (4 when the metadata itself is unreadable).")
     ver.add_argument("path", metavar="PATH")
-    ver.add_argument("--threads", type=int, default=8, help="parallel readers (default 8)")
+    ver.add_argument("--threads", type=_count(1), default=8, help="parallel readers (default 8)")
     ver.add_argument("--json", action="store_true", help="machine-readable output")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(fn=cmd_verify)
@@ -577,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--rename", action="append", metavar="OLD=NEW", help="as for export")
     im.add_argument("--tie", action="append", metavar="NAME=SOURCE",
                     help="add NAME as a copy of SOURCE (default: the pairs the export recorded)")
-    im.add_argument("--step", type=int, default=None, help="step recorded in the checkpoint")
+    im.add_argument("--step", type=_count(0), default=None, help="step recorded in the checkpoint")
     im.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
     im.add_argument("--json", action="store_true", help="machine-readable summary")
     im.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -590,8 +649,10 @@ def build_parser() -> argparse.ArgumentParser:
              "Deletes the rest, with their cold copies. Dry run by default: prints what it would delete "
              "and the bytes it would free.")
     gc.add_argument("root", metavar="ROOT")
-    gc.add_argument("--keep-last", type=int, required=True, metavar="N")
-    gc.add_argument("--keep-every", type=int, default=0, metavar="K", help="also keep steps divisible by K")
+    gc.add_argument("--keep-last", type=int, required=True, metavar="N",
+                    help="keep the newest N committed checkpoints of each run (at least 1)")
+    gc.add_argument("--keep-every", type=int, default=0, metavar="K",
+                    help="also keep steps divisible by K")
     gc.add_argument("--yes", "--delete", dest="yes", action="store_true", help="really delete")
     gc.add_argument("--cold", default=os.environ.get("BCP_TIERING_COLD") or None, metavar="DIR",
                     help="the cold tier's root, whose copies are deleted too (default $BCP_TIERING_COLD)")
@@ -614,41 +675,96 @@ def _version() -> str:
     return f"bcp (bytecheckpoint) {__version__}"
 
 
+def _debug(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("BCP_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _failure(exc: BaseException) -> tuple[str, int]:
+    """The one-line message (after ``bcp COMMAND:``) and the exit code of an error."""
+    from .export import ExportError
+
+    if isinstance(exc, UsageError):
+        return f"error: {exc}", EXIT_USAGE
+    if isinstance(exc, InvalidStorageURLError):
+        return f"error: {exc}", EXIT_USAGE
+    if isinstance(exc, NotACheckpointError):
+        return f"not a checkpoint: {exc}", EXIT_NOT_A_CHECKPOINT
+    if isinstance(exc, CorruptCheckpointError):
+        return (f"corrupt checkpoint: {exc}\n(run 'bcp verify' on it to list every bad file)",
+                EXIT_CORRUPT)
+    if isinstance(exc, CheckpointExistsError):
+        return str(exc), EXIT_EXISTS
+    if isinstance(exc, StorageError):
+        return f"storage error: {exc}", EXIT_STORAGE
+    if isinstance(exc, ExportError):
+        return f"error: {exc}", EXIT_USAGE
+    if isinstance(exc, CheckpointError):
+        return f"error: {exc}", EXIT_FAILED
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        return f"not found: {exc.filename or exc}: {exc.strerror or exc}", EXIT_NOT_A_CHECKPOINT
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"storage error: {where}{exc.strerror or exc}", EXIT_STORAGE
+    return (f"internal error: {type(exc).__name__}: {exc} (a bug: run with --debug or BCP_DEBUG=1 "
+            "for the traceback, and report it)", EXIT_INTERNAL)
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of our output went away (``bcp ls | head``): stop quietly, as ``cat`` does.
+    stdout is pointed at /dev/null so the interpreter's final flush cannot complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = _debug(argv[:1])
+    if argv[:1] == ["--debug"]:
+        argv = argv[1:]
+    _log_to_stderr()
     parser = build_parser()
     if argv and argv[0] in SERVICES:
         # Everything after the service name is the service's own (argparse's REMAINDER would
         # take '--help' as bcp's).
         args = argparse.Namespace(command=argv[0], rest=argv[1:], fn=_delegate(SERVICES[argv[0]][0]))
     else:
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except BrokenPipeError:
+            return _quiet_broken_pipe()
     try:
-        return args.fn(args)
-    except UsageError as exc:
-        print(f"bcp {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except NotACheckpointError as exc:
-        print(f"bcp {args.command}: not a checkpoint: {exc}", file=sys.stderr)
-        return EXIT_NOT_A_CHECKPOINT
-    except CorruptCheckpointError as exc:
-        print(f"bcp {args.command}: corrupt checkpoint: {exc}\n(run 'bcp verify' on it to list every bad "
-              "file)", file=sys.stderr)
-        return EXIT_CORRUPT
-    except CheckpointExistsError as exc:
-        print(f"bcp {args.command}: {exc}", file=sys.stderr)
-        return EXIT_EXISTS
-    except StorageError as exc:
-        print(f"bcp {args.command}: storage error: {exc}", file=sys.stderr)
-        return EXIT_STORAGE
-    except CheckpointError as exc:
-        print(f"bcp {args.command}: error: {exc}", file=sys.stderr)
-        from .export import ExportError
-
-        return EXIT_USAGE if isinstance(exc, ExportError) else EXIT_FAILED
+        code = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except KeyboardInterrupt:
         print(f"bcp {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - every error becomes one line and an exit code
+        message, code = _failure(exc)
+        if debug:
+            traceback.print_exc()
+        try:
+            print(f"bcp {args.command}: {redact(message)}", file=sys.stderr)
+        except BrokenPipeError:
+            pass
+        return code
+
+
+def _log_to_stderr() -> None:
+    """Warnings of the library (storage retries, lease trouble) go to stderr, one line each."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("bcp: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":
