@@ -76,7 +76,7 @@ def test_ingester_waits_for_the_store_and_loses_nothing(kafka_broker, topic, chd
         holder.close()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert "insert of" in err and "retrying" in err
+    assert "insert failed" in err and "retrying" in err
     counts = _counts(chdb_dsn, run)
     assert counts["distinct_ids"] == counts["final_rows"] == len(events)
 

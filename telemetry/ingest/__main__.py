@@ -3,6 +3,10 @@
 Examples:
   python -m telemetry.ingest --kafka 127.0.0.1:9092 --dsn chdb:///var/lib/bcp/store
   python -m telemetry.ingest --spool runs/demo/telemetry --once --alerts rules.yaml
+
+Records that cannot be stored are kept in the store's ingest_quarantine table with the reason.
+Exit status: 0 done; 1 the store stayed unreachable for --retry-for seconds; 2 a usage or
+configuration error; 3 done, but some records were quarantined.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import sys
 import threading
 
 from telemetry.sinks.kafka import DEFAULT_TOPIC
-from telemetry.store import StoreConfigError, default_dsn
+from telemetry.store import StoreConfigError, StoreUnavailableError, default_dsn
 from telemetry.store.client import normalize_dsn
 
 
@@ -35,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--idle-s", type=float, default=3.0)
     parser.add_argument("--batch-events", type=int, default=5000, help="events per insert at most")
     parser.add_argument("--linger-s", type=float, default=1.0, help="how long a batch may fill up")
+    parser.add_argument("--retry-for", type=float, default=900.0, metavar="S",
+                        help="give up (exit 1) when the store stays unreachable this long")
+    parser.add_argument("--keep-spool", action="store_true",
+                        help="with --spool: keep segments once stored (default: delete sealed ones)")
     parser.add_argument("--alerts", default=None, metavar="RULES.yaml",
                         help="also evaluate these alert rules on the store this process owns")
     parser.add_argument("--alerts-every", type=float, default=60.0, metavar="S")
@@ -59,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.spool:
             from telemetry.ingest.spool_source import SpoolSource
 
-            source = SpoolSource(args.spool)
+            source = SpoolSource(args.spool, prune=not args.keep_spool)
         elif args.kafka:
             from telemetry.ingest.kafka_source import KafkaSource, ensure_topic
 
@@ -80,15 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    ingester = Ingester(source, dsn, batch_events=args.batch_events, linger_s=args.linger_s, on_idle=on_idle)
+    ingester = Ingester(source, dsn, batch_events=args.batch_events, linger_s=args.linger_s,
+                        retry_for_s=args.retry_for, on_idle=on_idle)
+    code = 0
     try:
-        stats = ingester.run(once=args.once, idle_s=args.idle_s, stop=stop)
+        ingester.run(once=args.once, idle_s=args.idle_s, stop=stop)
     except StoreConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"ingested {stats.events} events in {stats.batches} batches "
-          f"({stats.insert_failures} insert retries, {stats.commit_failures} commit failures)")
-    return 0
+    except StoreUnavailableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 1
+    stats = ingester.stats
+    print(f"ingested {stats.events} events in {stats.batches} batches; quarantined {stats.quarantined} "
+          f"records ({stats.insert_failures} insert retries, {stats.commit_failures} commit failures)")
+    if stats.quarantined:
+        print(f"warning: {stats.quarantined} records could not be stored; they are kept with the reason "
+              "in the ingest_quarantine table", file=sys.stderr)
+        code = code or 3
+    return code
 
 
 if __name__ == "__main__":

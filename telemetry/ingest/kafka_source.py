@@ -6,8 +6,8 @@ import logging
 import time
 from typing import Any
 
+from telemetry.ingest.records import Reject, decode_lines
 from telemetry.ingest.runner import Batch
-from telemetry.sinks.kafka import decode_message
 
 log = logging.getLogger("telemetry.ingest")
 
@@ -30,7 +30,13 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: flo
 
 
 class KafkaSource:
-    """Reads event messages from ``topic`` as member of consumer group ``group``."""
+    """Reads event messages from ``topic`` as member of consumer group ``group``.
+
+    A message's lines that cannot be stored (not JSON, fields out of range...) come back as
+    rejects for the quarantine; the offset moves past them like past any other message.
+    """
+
+    name = "kafka"
 
     def __init__(self, bootstrap: str, topic: str, group: str = DEFAULT_GROUP,
                  consumer_config: dict[str, Any] | None = None) -> None:
@@ -63,6 +69,7 @@ class KafkaSource:
     def poll(self, max_events: int, linger_s: float) -> Batch:
         """Messages for up to ``linger_s`` or ``max_events`` events, with the offsets past them."""
         events: list[dict[str, Any]] = []
+        rejects: list[Reject] = []
         offsets: dict[Any, int] = {}
         deadline = time.monotonic() + linger_s
         while len(events) < max_events:
@@ -76,9 +83,13 @@ class KafkaSource:
                 break
             for tp, messages in records.items():
                 for message in messages:
-                    events.extend(decode_message(message.value or b""))
+                    label = f"{tp.topic}/{tp.partition}@{message.offset}"
+                    value = message.value if isinstance(message.value, bytes) else b""
+                    got, bad = decode_lines(value, label)
+                    events.extend(got)
+                    rejects.extend(bad)
                     offsets[tp] = message.offset + 1
-        return Batch(events, offsets or None)
+        return Batch(events, offsets or None, rejects)
 
     def commit(self, position: Any) -> None:
         from kafka.structs import OffsetAndMetadata

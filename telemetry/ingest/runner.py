@@ -1,4 +1,11 @@
-"""The ingest loop: poll a batch, insert it, then commit its position; retry what fails."""
+"""The ingest loop: poll a batch, insert it, then commit its position.
+
+What cannot be stored never blocks what can: sources hand over events already checked
+against the column types plus the lines they rejected; if the store still refuses a batch
+while it answers queries, the batch is bisected down to the refused events. Rejected and
+refused records go to the quarantine table with the reason. Only an unreachable store is
+retried, with backoff, for at most ``retry_for_s``.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from telemetry.store import StoreConfigError, connect, ensure_schema, insert_events
+from telemetry.ingest.records import Reject
+from telemetry.store import StoreConfigError, StoreUnavailableError, connect, ensure_schema
+from telemetry.store.writer import insert_clean, insert_quarantine
 
 log = logging.getLogger("telemetry.ingest")
 
@@ -21,12 +30,14 @@ KILL_AFTER_INSERTS_ENV = "BCP_INGEST_KILL_AFTER_INSERTS"
 
 @dataclass
 class Batch:
-    events: list[dict[str, Any]]
+    events: list[dict[str, Any]]  # cleaned (telemetry.store.validate.clean_event)
     position: Any  # None when nothing was read
+    rejects: list[Reject] = field(default_factory=list)
 
 
 class Source(Protocol):
     assigned: bool
+    name: str
 
     def poll(self, max_events: int, linger_s: float) -> Batch: ...
 
@@ -40,9 +51,14 @@ class Source(Protocol):
 @dataclass
 class IngestStats:
     batches: int = 0
-    events: int = 0
-    insert_failures: int = 0
+    events: int = 0  # stored
+    quarantined: int = 0
+    insert_failures: int = 0  # attempts that found the store unreachable
     commit_failures: int = 0
+
+
+class _Refused(Exception):
+    """The store answers but refused this insert: the data is at fault, not the connection."""
 
 
 class Ingester:
@@ -53,13 +69,14 @@ class Ingester:
     """
 
     def __init__(self, source: Source, dsn: str, *, batch_events: int = 5000, linger_s: float = 1.0,
-                 retry_s: tuple[float, float] = (0.5, 30.0),
+                 retry_s: tuple[float, float] = (0.5, 30.0), retry_for_s: float = 900.0,
                  on_idle: Callable[[Any], None] | None = None) -> None:
         self.source = source
         self.dsn = dsn
         self.batch_events = batch_events
         self.linger_s = linger_s
         self._retry_min, self._retry_max = retry_s
+        self.retry_for_s = retry_for_s
         self.on_idle = on_idle
         self.stats = IngestStats()
         self._client: Any = None
@@ -85,22 +102,88 @@ class Ingester:
                 pass
 
     def insert(self, batch: Batch, stop: threading.Event) -> bool:
-        """Insert until it succeeds (True) or ``stop`` is set (False). Bad config raises."""
+        """Store ``batch`` (quarantining what the store refuses); False if ``stop`` was set first.
+
+        Raises StoreConfigError for a bad configuration and StoreUnavailableError once the
+        store stayed unreachable for ``retry_for_s``.
+        """
+        rejects = list(batch.rejects)
+        stored = self._insert_bisecting(batch.events, rejects, stop)
+        if stored is None:
+            return False
+        if rejects:
+            try:
+                done, _ = self._attempt(lambda c: insert_quarantine(c, self.source.name, rejects), stop)
+            except _Refused as exc:
+                # Cannot happen for well-formed quarantine rows; never let it wedge the stream.
+                log.error("ingest: the store refused %d quarantine rows (%s); first: %s at %s",
+                          len(rejects), exc, rejects[0].reason, rejects[0].position)
+                done = True
+            if not done:
+                return False
+            for reject in rejects[:20]:
+                log.warning("ingest: quarantined %s: %s", reject.position, reject.reason)
+        self.stats.events += stored
+        self.stats.quarantined += len(rejects)
+        return True
+
+    def _insert_bisecting(self, events: list[dict[str, Any]], rejects: list[Reject],
+                          stop: threading.Event) -> int | None:
+        """Rows stored; the events the store refuses are added to ``rejects``. None if stopped."""
+        if not events:
+            return 0
+        try:
+            done, stored = self._attempt(lambda c: insert_clean(c, events), stop)
+        except _Refused as exc:
+            if len(events) == 1:
+                rejects.append(Reject.of_event(events[0], f"the store refused it: {exc}"))
+                return 0
+            # Halves until the refused events are alone; good rows inserted twice merge on event_id.
+            total = 0
+            for half in (events[: len(events) // 2], events[len(events) // 2:]):
+                part = self._insert_bisecting(half, rejects, stop)
+                if part is None:
+                    return None
+                total += part
+            return total
+        return stored if done else None
+
+    def _attempt(self, action: Callable[[Any], Any], stop: threading.Event) -> tuple[bool, Any]:
+        """``action(client)`` until it succeeds: (True, result), or (False, None) if stopped.
+
+        A failure while the store answers ``SELECT 1`` raises _Refused; an unreachable store
+        is retried with backoff for at most ``retry_for_s``, then StoreUnavailableError.
+        """
         delay = self._retry_min
+        deadline = time.monotonic() + self.retry_for_s
         while True:
             try:
-                insert_events(self._store(), batch.events)
-                return True
+                return True, action(self._store())
             except StoreConfigError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - server down, store locked, network
+            except Exception as exc:  # noqa: BLE001 - server down, store locked, network, bad data
+                if self._client is not None and self._answers():
+                    text = str(exc).strip().splitlines()
+                    raise _Refused(f"{type(exc).__name__}: {text[0][:300] if text else ''}") from exc
                 self.stats.insert_failures += 1
-                log.warning("ingest: insert of %d events failed (%s); retrying in %.1fs, nothing is "
-                            "committed until it succeeds", len(batch.events), exc, delay)
                 self._drop_client()
-                if stop.wait(delay):
-                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StoreUnavailableError(
+                        f"the store stayed unreachable for {self.retry_for_s:.0f}s ({exc}); nothing was "
+                        "committed past the last stored batch, so a rerun resumes there") from exc
+                log.warning("ingest: insert failed (%s); the store seems unreachable, retrying in %.1fs "
+                            "(giving up in %.0fs); nothing is committed until it succeeds", exc, delay, left)
+                if stop.wait(min(delay, left)):
+                    return False, None
                 delay = min(delay * 2, self._retry_max)
+
+    def _answers(self) -> bool:
+        try:
+            self._client.command("SELECT 1")
+        except Exception:  # noqa: BLE001 - any failure means "not answering"
+            return False
+        return True
 
     def run(self, *, once: bool = False, idle_s: float = 3.0, join_timeout_s: float = 60.0,
             stop: threading.Event | None = None) -> IngestStats:
@@ -125,10 +208,9 @@ class Ingester:
                             raise TimeoutError(f"no partitions assigned within {join_timeout_s}s")
                     continue
                 last_data = now
-                if batch.events and not self.insert(batch, stop):
+                if (batch.events or batch.rejects) and not self.insert(batch, stop):
                     break
                 self.stats.batches += 1
-                self.stats.events += len(batch.events)
                 if self._kill_after and self.stats.batches >= self._kill_after:
                     os.kill(os.getpid(), signal.SIGKILL)
                 try:

@@ -18,6 +18,8 @@ log = logging.getLogger("telemetry.store")
 EVENTS = "events"
 IO_OPS = "io_ops"
 ALERTS = "alerts"
+ALERT_OUTBOX = "alert_outbox"
+QUARANTINE = "ingest_quarantine"
 VERSION_TABLE = "schema_version"
 
 _EVENTS_V1 = f"""
@@ -100,9 +102,38 @@ CREATE TABLE IF NOT EXISTS {ALERTS} (
 ORDER BY alert_id
 """
 
+# One row per delivery attempt of an alert to the webhook; the row with the most attempts is
+# the alert's state (ReplacingMergeTree keeps it). Posted until the receiver answers 2xx.
+_ALERT_OUTBOX_V2 = f"""
+CREATE TABLE IF NOT EXISTS {ALERT_OUTBOX} (
+    alert_id String,
+    body String,
+    attempts UInt32,
+    state LowCardinality(String),
+    next_try DateTime64(3, 'UTC'),
+    last_error String,
+    updated_at DateTime64(3, 'UTC')
+) ENGINE = ReplacingMergeTree(attempts)
+ORDER BY alert_id
+"""
+
+# Records the ingester could not store, with why and where they came from (a dead-letter table).
+_QUARANTINE_V2 = f"""
+CREATE TABLE IF NOT EXISTS {QUARANTINE} (
+    quarantined_at DateTime64(3, 'UTC'),
+    source String,
+    position String,
+    reason String,
+    record String,
+    record_bytes UInt64
+) ENGINE = MergeTree
+ORDER BY quarantined_at
+"""
+
 # (version, description, statements). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (1, "events, io_ops and alerts tables", [_EVENTS_V1, _IO_OPS_V1, _ALERTS_V1]),
+    (2, "alert webhook outbox and ingest quarantine tables", [_ALERT_OUTBOX_V2, _QUARANTINE_V2]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
