@@ -70,10 +70,11 @@ class SpoolSink(Sink):
 
     def poll(self) -> None:
         self._log.sync()
-        now = time.monotonic()
-        if now - self._last_prune < PRUNE_EVERY_S:
-            return
-        self._last_prune = now
+        if time.monotonic() - self._last_prune >= PRUNE_EVERY_S:
+            self._prune()
+
+    def _prune(self) -> None:
+        self._last_prune = time.monotonic()
         pending = []
         for path in segments(self.spool_dir):
             try:
@@ -85,6 +86,7 @@ class SpoolSink(Sink):
 
     def flush(self) -> None:
         self._log.sync()
+        self._prune()
 
     def close(self) -> None:
         self._log.close()
