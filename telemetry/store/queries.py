@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from telemetry.schema import PHASES, THROUGHPUT_PHASES
-from telemetry.store.schema import ALERTS, EVENTS, IO_OPS
+from telemetry.store.schema import ALERTS, EVENTS, IO_OPS, QUARANTINE
 
 _FILTERS = """
     ({job:String} = '' OR job = {job:String})
@@ -174,3 +174,14 @@ def event_counts(client: Any, *, job: str = "", run: str = "") -> dict[str, int]
     """
     row = _rows(client, sql, {"job": job, "run": run})[0]
     return {key: int(value) for key, value in row.items()}
+
+
+def quarantined(client: Any, *, limit: int = 500) -> list[dict[str, Any]]:
+    """Records the ingester could not store, newest first: when, source, position, reason,
+    record (truncated) and its full size."""
+    sql = f"""
+    SELECT quarantined_at, source, position, reason, record, record_bytes FROM {QUARANTINE}
+    ORDER BY quarantined_at DESC
+    LIMIT {{limit:UInt32}}
+    """
+    return _rows(client, sql, {"limit": limit})
