@@ -6,6 +6,7 @@ compact bytes. Decoding never executes code (no pickle): only the types below co
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -60,33 +61,67 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code == _EXT_TUPLE:
-        return tuple(_unpack(data))
-    if code == _EXT_TENSOR:
-        dtype, shape, raw = _unpack(data)
-        torch_dtype = dtype_from_name(dtype)
-        if not raw:
-            return torch.empty(shape, dtype=torch_dtype)
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        return flat.view(torch_dtype).reshape(shape)
-    if code == _EXT_NDARRAY:
-        dtype, shape, raw = _unpack(data)
-        np_dtype = np.dtype(dtype)
-        if np_dtype.hasobject:
-            raise CorruptCheckpointError("stored numpy array claims an object dtype")
-        return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
-    if code == _EXT_INTKEY_DICT:
-        return dict(_unpack(data))
+# Extension values nest (a tuple in a dict in a tuple...), and each level is decoded by a
+# fresh C unpacker on the C stack: a few hundred levels of hostile input crashed the process
+# (SIGSEGV). Real state nests a handful of levels (an RNG state: a tuple in a tuple).
+MAX_DEPTH = 32
+_MAX_NDIM = 64
+
+
+def _ext_hook(code: int, data: bytes, depth: int) -> Any:
     if code == _EXT_BIGINT:
         return int(data.decode())
     if code == _EXT_DTYPE:
         return dtype_from_name(data.decode())
-    raise CorruptCheckpointError(f"unknown extension type {code} in stored object state")
+    if code not in (_EXT_TUPLE, _EXT_TENSOR, _EXT_NDARRAY, _EXT_INTKEY_DICT):
+        raise CorruptCheckpointError(f"unknown extension type {code} in stored object state")
+    if depth >= MAX_DEPTH:  # checked before recursing
+        raise CorruptCheckpointError(
+            f"stored object state nests deeper than {MAX_DEPTH} levels of tuples, dicts and arrays; "
+            "it is damaged or hostile"
+        )
+    value = _unpack(data, depth + 1)
+    if code == _EXT_TUPLE:
+        return tuple(value)
+    if code == _EXT_INTKEY_DICT:
+        return dict(value)
+    dtype, shape, raw = value
+    shape = _shape(shape, len(raw))
+    if code == _EXT_TENSOR:
+        torch_dtype = dtype_from_name(dtype)
+        if math.prod(shape) * torch_dtype.itemsize != len(raw):
+            raise CorruptCheckpointError(f"stored tensor of shape {shape} and dtype {dtype} has "
+                                         f"{len(raw)} bytes")
+        if not raw:
+            return torch.empty(shape, dtype=torch_dtype)
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return flat.view(torch_dtype).reshape(shape)
+    if type(dtype) is not str:
+        raise CorruptCheckpointError(f"stored numpy array has a malformed dtype {dtype!r:.80}")
+    np_dtype = np.dtype(dtype)
+    if np_dtype.kind not in _NUMPY_KINDS or np_dtype.fields is not None or np_dtype.subdtype is not None:
+        raise CorruptCheckpointError(f"stored numpy array claims dtype {dtype!r}, which is not a plain "
+                                     "number, string or time type")
+    return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
 
 
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+_NUMPY_KINDS = frozenset("biufcSUmM")  # never "O" (objects) or "V" (raw / structured)
+
+
+def _shape(shape: Any, nbytes: int) -> tuple[int, ...]:
+    """A stored shape: a short list of non-negative ints whose product is checked against the
+    stored bytes by the caller (before anything is allocated)."""
+    if type(shape) is not list or len(shape) > _MAX_NDIM or not all(
+            type(d) is int and 0 <= d <= 1 << 62 for d in shape):
+        raise CorruptCheckpointError(f"stored array has a malformed shape {shape!r:.80}")
+    if math.prod(shape) > max(nbytes, 1) * 8:  # more elements than bytes could ever hold
+        raise CorruptCheckpointError(f"stored array of shape {tuple(shape)} holds only {nbytes} bytes")
+    return tuple(shape)
+
+
+def _unpack(data: bytes, depth: int = 0) -> Any:
+    return msgpack.unpackb(data, ext_hook=lambda code, raw: _ext_hook(code, raw, depth), raw=False,
+                           strict_map_key=False)
 
 
 def encode(obj: Any) -> bytes:

@@ -42,7 +42,7 @@ import xxhash
 
 from .dtypes import dtype_from_name, dtype_name
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedStateError
-from .integrity import read_metadata, resolve
+from .integrity import check_file_sizes, read_metadata, resolve
 from .metadata import CheckpointMetadata, TensorMeta
 from .shards import TensorShard
 
@@ -271,7 +271,11 @@ def plan_export(url: str, *, model_key: str = "model", include_optimizer: bool =
                                                            list[ExportItem]]:
     """Resolve the checkpoint and list what an export writes (no tensor is read)."""
     storage, path = resolve(url)
-    meta = read_metadata(storage, path)
+    meta = read_metadata(storage, path)  # validated: every tensor tiled, every range in its file
+    # Declared sizes against the files' real sizes (and headers) before anything is allocated:
+    # the tensors then hold at most the bytes the files do, and the load below checks that it
+    # fills every element (an export never writes memory a load did not fill).
+    check_file_sizes(storage, path, meta, {f.name for f in meta.files}, headers=True)
     names = names or NameMap()
     model = _items(meta, model_key, names, dtype, "model")
     if not model:

@@ -17,6 +17,7 @@ old checkpoint at the same path is uncommitted (metadata deleted first) when the
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import time
 from collections.abc import Callable
@@ -25,8 +26,14 @@ from dataclasses import dataclass
 
 from .checksums import bad_chunks
 from .errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
-from .metadata import METADATA_FILE, CheckpointMetadata, check_file_name
+from .file_headers import Entry, expected_entries, header_problem
+from .metadata import METADATA_FILE, ByteMeta, CheckpointMetadata, check_file_name
 from .storage import CommitMode, Storage, open_storage
+
+METADATA_MAX_ENV = "BCP_METADATA_MAX_BYTES"
+DEFAULT_METADATA_MAX_BYTES = 1 << 30
+_METADATA_READ_CHUNK = 64 << 20
+_VERIFY_BLOCK = 64 << 20  # bytes of one piece a verify thread holds at a time
 
 LATEST_FILE = "latest"
 STAGING_TAG = ".staging-"
@@ -190,24 +197,75 @@ def resolve(url: str) -> tuple[Storage, str]:
 
 def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
     meta_path = posixpath.join(path, METADATA_FILE)
-    return CheckpointMetadata.from_bytes(bytes(storage.read(meta_path)), source=storage.url(meta_path))
+    raw = read_metadata_bytes(storage, meta_path)
+    return CheckpointMetadata.from_bytes(raw, source=storage.url(meta_path))
 
 
-def check_file_sizes(storage: Storage, path: str, meta: CheckpointMetadata, names: set[str]) -> None:
+def metadata_max_bytes() -> int:
+    """``BCP_METADATA_MAX_BYTES``: the largest metadata file a reader accepts (default 1 GiB,
+    several times what ten million boxes take)."""
+    raw = os.environ.get(METADATA_MAX_ENV, "").strip()
+    try:
+        value = int(raw) if raw else DEFAULT_METADATA_MAX_BYTES
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{METADATA_MAX_ENV} = {raw!r} is not a positive number of bytes; unset it "
+                         f"or raise it (default {DEFAULT_METADATA_MAX_BYTES})")
+    return value
+
+
+def read_metadata_bytes(storage: Storage, meta_path: str) -> bytes:
+    """The metadata file's bytes, refused above ``metadata_max_bytes()`` before anything is
+    allocated, and read in bounded chunks (a file that changes size meanwhile is an error)."""
+    size = storage.size(meta_path)
+    limit = metadata_max_bytes()
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{storage.url(meta_path)}: the metadata file is {size} bytes, over the limit of {limit} "
+            f"({METADATA_MAX_ENV}); the checkpoint is damaged or hostile, or raise the limit"
+        )
+    buf = bytearray(size)
+    view = memoryview(buf)
+    for start in range(0, size, _METADATA_READ_CHUNK):
+        end = min(size, start + _METADATA_READ_CHUNK)
+        if storage.read_into(meta_path, start, view[start:end]) != end - start:
+            raise CorruptCheckpointError(f"{storage.url(meta_path)}: the metadata file shrank while "
+                                         "it was read; retry, or check what else writes there")
+    return bytes(buf)
+
+
+def check_file_sizes(storage: Storage, path: str, meta: CheckpointMetadata, names: set[str], *,
+                     headers: bool = False) -> None:
+    """Every storage file in ``names`` is there with the size the metadata records, before a
+    byte of it is trusted; with ``headers``, its safetensors header lists exactly the pieces
+    the metadata places in it (see :mod:`.file_headers`)."""
+    expected = expected_entries(meta, names) if headers else {}
     for name in sorted(names):
-        f = meta.file(name)
-        full = posixpath.join(path, name)
-        try:
-            size = storage.size(full)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"{storage.url(full)}: storage file is missing from the checkpoint"
-            ) from None
-        if size != f.size:
-            raise CorruptCheckpointError(
-                f"{storage.url(full)}: storage file is {size} bytes but the metadata records "
-                f"{f.size} (truncated or overwritten)"
-            )
+        problem = file_problem(storage, path, meta, name, expected.get(name, []) if headers else None)
+        if problem is not None:
+            raise CorruptCheckpointError(problem)
+
+
+def file_problem(storage: Storage, path: str, meta: CheckpointMetadata, name: str,
+                 header: list[Entry] | None) -> str | None:
+    """What is wrong with one storage file (missing, wrong size, a header that disagrees with
+    ``header``, when given), or None."""
+    f = meta.file(name)
+    full = posixpath.join(path, name)
+    try:
+        size = storage.size(full)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return f"{storage.url(full)}: storage file is missing from the checkpoint"
+    if size != f.size:
+        return (f"{storage.url(full)}: storage file is {size} bytes but the metadata records "
+                f"{f.size} (truncated or overwritten)")
+    if header is None:
+        return None
+    try:
+        return header_problem(storage, path, name, size, header, metadata_max_bytes())
+    except (OSError, EOFError) as exc:
+        return f"{storage.url(full)}: cannot read its safetensors header: {exc}"
 
 
 @dataclass(frozen=True)
@@ -223,27 +281,33 @@ def verify_files(url: str, *, threads: int = 4,
                  progress: Callable[[int], None] | None = None) -> tuple[str, list[Problem]]:
     """Re-check every checksum of a checkpoint in ``threads`` parallel readers.
 
+    Each file's size and safetensors header are checked against the metadata first; a file
+    that fails is reported once and its pieces are not read. Pieces are read in blocks of
+    whole checksum chunks, so memory stays bounded whatever a piece's size.
     Returns the checkpoint's URL and the problems, each naming its file. ``progress`` is called
     with the byte count of each piece once it is checked (from the worker threads)."""
     storage, path = resolve(url)
     meta = read_metadata(storage, path)
+    expected = expected_entries(meta, {f.name for f in meta.files})
     problems: list[Problem] = []
     for f in meta.files:
-        try:
-            check_file_sizes(storage, path, meta, {f.name})
-        except CorruptCheckpointError as exc:
-            problems.append(Problem(f.name, str(exc)))
+        problem = file_problem(storage, path, meta, f.name, expected.get(f.name, []))
+        if problem is not None:
+            problems.append(Problem(f.name, problem))
     pieces = [sb.bytes for t in meta.tensors for sb in meta.boxes_of(t.key)]
     pieces += [o.bytes for o in meta.objects]
-    bad_size = {p.file for p in problems}
+    bad_file = {p.file for p in problems}
+    block = max(1, _VERIFY_BLOCK // meta.chunk_bytes) * meta.chunk_bytes
 
-    def check(piece) -> Problem | None:
+    def check(piece: ByteMeta) -> Problem | None:
         full = posixpath.join(path, piece.file)
+        if piece.file in bad_file:
+            return None  # already reported by name; its ranges may not exist
         try:
-            if piece.file in bad_size:
-                return None  # already reported by name; its ranges may not exist
-            data = storage.read(full, piece.byte_offset, piece.byte_length)
-            bad = bad_chunks(memoryview(data), 0, list(piece.checksums), meta.chunk_bytes)
+            bad = []
+            for start in range(0, piece.byte_length, block):
+                data = storage.read(full, piece.byte_offset + start, min(block, piece.byte_length - start))
+                bad += bad_chunks(memoryview(data), start, list(piece.checksums), meta.chunk_bytes)
         except (OSError, EOFError) as exc:
             return Problem(piece.file, f"{storage.url(full)}: cannot read bytes "
                                        f"{piece.byte_offset}+{piece.byte_length}: {exc}")

@@ -366,7 +366,7 @@ def _decode(doc: Any, source: str) -> CheckpointMetadata:
         raise _fail(source, f"tensor {dup!r} is listed twice")
     sizes_by_dtype: dict[str, int] = {}
     for k, d in zip(keys, dtypes):
-        if d not in sizes_by_dtype:
+        if type(d) is not str or d not in sizes_by_dtype:
             if type(d) is not str or d not in DTYPE_NAMES:
                 raise _fail(source, f"tensor {k!r} has unknown dtype {_short(d)}")
             sizes_by_dtype[d] = itemsize(d)

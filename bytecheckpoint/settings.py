@@ -67,6 +67,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BCP_HDFS_URL", _S3, "", "default name node for hdfs:///path URLs, hdfs://host:8020"),
     Setting("BCP_SHM_DIR", "bytecheckpoint/storage/shm.py", "/dev/shm/bytecheckpoint",
             "directory behind shm:// URLs"),
+    Setting("BCP_METADATA_MAX_BYTES", "bytecheckpoint/integrity.py", "1073741824",
+            "the largest metadata file a reader accepts (a larger one is refused as damaged)"),
     Setting("BCP_LEASE_TTL_S", "bytecheckpoint/leases.py", "21600",
             "how long a read lease protects a checkpoint from tiering and gc"),
     # -- telemetry (training processes) ----------------------------------------------------------

@@ -45,6 +45,7 @@ from ..planners import get_planner
 from ..sharding import element_span
 from ..state import FlatState, flatten_state
 from ..storage import Storage
+from .coverage import add_read, check_coverage, check_rank_objects
 from .load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
 from .read_plan import Need, plan_reads
 
@@ -204,6 +205,8 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
     file_index = {f.name: i for i, f in enumerate(meta.files)}
     problems: list[StateMismatchError] = []
     reads: dict[tuple[int, int], BoxRead] = {}
+    wanted_targets: list[tuple[str, Any]] = []  # every target piece, for the coverage check
+    source = storage.url(path)
     with span("load.plan"):
         for key, tensor in flat.tensors.items():
             tm = meta.tensor(key)
@@ -216,6 +219,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 continue
             dtype = dtype_from_name(tm.dtype)
             targets = planner.pieces(key, tensor)
+            wanted_targets.extend((key, t) for t in targets)
             for saved in meta.boxes_of(key):
                 copies = []
                 for target in targets:
@@ -228,7 +232,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 read = BoxRead(key, saved.bytes.file, saved.bytes.byte_offset, saved.bytes.byte_length,
                                lo, hi, saved.bytes.checksums, dtype, saved.box, copies)
                 read.direct = direct_target(read)
-                reads[(file_index[saved.bytes.file], saved.bytes.byte_offset)] = read
+                add_read(reads, (file_index[saved.bytes.file], saved.bytes.byte_offset), read, source)
         # Per-rank objects come from the same rank when the world is unchanged, else from
         # rank 0 (replicated values such as counters stay right; see README).
         source_rank = comm.rank if meta.world_size == comm.world_size else 0
@@ -241,9 +245,11 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 wanted = obj.key in flat.rank_objects and obj.rank == source_rank
             if wanted:
                 b = obj.bytes
-                reads[(file_index[b.file], b.byte_offset)] = BoxRead(
-                    obj.key, b.file, b.byte_offset, b.byte_length, 0, b.byte_length, b.checksums)
-        check_file_sizes(storage, path, meta, {r.file for r in reads.values()})
+                add_read(reads, (file_index[b.file], b.byte_offset), BoxRead(
+                    obj.key, b.file, b.byte_offset, b.byte_length, 0, b.byte_length, b.checksums), source)
+        check_rank_objects(meta, flat.rank_objects, source_rank, source)
+        check_coverage(wanted_targets, reads.values(), source)
+        check_file_sizes(storage, path, meta, {r.file for r in reads.values()}, headers=verify)
     needs = [Need(f, r.byte_offset, r.byte_length, r.lo, r.hi) for (f, _), r in reads.items()]
     return _LocalPlan(storage, path, meta, flat, reads, needs, problems)
 

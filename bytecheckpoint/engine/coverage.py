@@ -1,0 +1,72 @@
+"""Before a load reads a byte: every element of every target is filled, exactly once.
+
+The metadata's own checks (``metadata_checks``) already refuse a checkpoint whose boxes do not
+tile their tensors; this is the load's side of the same promise, computed from what the load
+will actually copy: the intersections of its targets with the saved boxes, after they were
+keyed by where their bytes live. A target element no read fills would keep whatever the
+tensor held before the load (silently wrong data), and one filled twice means two pieces
+claim it. Per target: the sizes of its regions add up to its size, and no two regions overlap
+(a sweep, O(k log k) for k regions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..errors import CorruptCheckpointError
+from ..metadata import CheckpointMetadata
+from ..planners import LocalShard
+from ..sharding import Box, find_overlap
+from .load_pipeline import BoxRead
+
+
+def add_read(reads: dict[tuple[int, int], BoxRead], where: tuple[int, int], read: BoxRead,
+             source: str) -> None:
+    """Key ``read`` by (file index, byte offset); two pieces at one place are refused, never
+    one dropped for the other."""
+    other = reads.get(where)
+    if other is not None:
+        raise CorruptCheckpointError(
+            f"{source}: {other.key!r} and {read.key!r} are both stored at byte {where[1]} of the "
+            "same file; the checkpoint is damaged or hostile"
+        )
+    reads[where] = read
+
+
+def check_coverage(targets: Iterable[tuple[str, LocalShard]], reads: Iterable[BoxRead], source: str) -> None:
+    """Raise CorruptCheckpointError naming the first target tensor whose elements the reads do
+    not fill exactly once."""
+    regions: dict[int, list[Box]] = {}
+    for read in reads:
+        for c in read.copies:
+            regions.setdefault(id(c.target), []).append(c.region)
+    for key, target in targets:
+        got = regions.get(id(target), [])
+        filled = sum(r.numel for r in got)
+        if filled != target.box.numel:
+            raise CorruptCheckpointError(
+                f"{source}: the checkpoint fills {filled} of the {target.box.numel} elements of "
+                f"{key!r} {target.box.offsets}+{target.box.lengths} that this load needs; the "
+                "checkpoint is damaged or hostile (part of the tensor was never saved)"
+            )
+        if len(got) > 1 and find_overlap(got) is not None:
+            raise CorruptCheckpointError(
+                f"{source}: two saved pieces of {key!r} fill the same elements; the checkpoint is "
+                "damaged or hostile"
+            )
+
+
+def check_rank_objects(meta: CheckpointMetadata, wanted: Iterable[str], source_rank: int,
+                       source: str) -> None:
+    """A per-rank object this load wants and the checkpoint holds must exist for the rank it
+    is taken from; skipping it would leave that state silently as it was."""
+    have = {(o.key, o.rank) for o in meta.objects}
+    saved = {o.key for o in meta.objects}
+    for key in sorted(wanted):
+        if key in saved and (key, source_rank) not in have:
+            ranks = sorted(r for k, r in have if k == key and r is not None)
+            raise CorruptCheckpointError(
+                f"{source}: per-rank state {key!r} is stored for rank(s) {ranks[:20]} of "
+                f"{meta.world_size} but not for rank {source_rank}, which this load takes it from; "
+                "the checkpoint is damaged or hostile"
+            )

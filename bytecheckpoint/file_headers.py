@@ -1,0 +1,88 @@
+"""The safetensors header of a storage file, checked entry by entry against the metadata.
+
+Loads find bytes through the metadata's absolute offsets and never need these headers, but
+other tools (safetensors, Hugging Face) read the files through them: a header edited to say
+I32 where F32 was written would hand those tools wrong numbers while every checksum of the
+data still matches. So ``bcp verify``, export and loads that verify compare each header with
+what the metadata says the file holds: the same pieces at the same byte ranges, with the same
+dtype code and shape, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import struct
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from .dtypes import safetensors_code
+from .metadata import CheckpointMetadata
+from .storage import Storage
+
+Entry = tuple[int, int, str, tuple[int, ...]]  # absolute start, end, dtype code, shape
+
+
+def expected_entries(meta: CheckpointMetadata, names: set[str]) -> dict[str, list[Entry]]:
+    """What the header of each file in ``names`` must list (as the writers write it: a box's
+    shape is its lengths, an object is ``U8`` of its length)."""
+    out: dict[str, list[Entry]] = defaultdict(list)
+    index = {f.name: i for i, f in enumerate(meta.files)}
+    wanted = np.array(sorted(index[n] for n in names if n in index), dtype=np.int32)
+    b = meta.boxes
+    rows = np.flatnonzero(np.isin(b.file, wanted)).tolist()
+    codes = [safetensors_code(t.dtype) for t in meta.tensors]
+    ndims = [len(t.shape) for t in meta.tensors]
+    for r in rows:
+        t, s = int(b.tensor[r]), int(b.dim_start[r])
+        start = int(b.byte_offset[r])
+        out[meta.files[int(b.file[r])].name].append(
+            (start, start + int(b.byte_length[r]), codes[t], tuple(b.lengths[s : s + ndims[t]].tolist())))
+    for o in meta.objects:
+        if o.bytes.file in names:
+            start = o.bytes.byte_offset
+            out[o.bytes.file].append((start, start + o.bytes.byte_length, "U8", (o.bytes.byte_length,)))
+    return out
+
+
+def header_problem(storage: Storage, path: str, name: str, size: int, expected: list[Entry],
+                   max_header: int) -> str | None:
+    """Why the header of ``path/name`` (``size`` bytes, already checked) disagrees with
+    ``expected``, or None when it lists exactly those entries."""
+    full = posixpath.join(path, name)
+    url = storage.url(full)
+    if size < 8:
+        return f"{url}: too short for a safetensors header ({size} bytes)"
+    (n,) = struct.unpack("<Q", bytes(storage.read(full, 0, 8)))
+    if n > min(size - 8, max_header):
+        return f"{url}: its safetensors header claims {n} bytes, more than the file or the limit holds"
+    try:
+        header = json.loads(bytes(storage.read(full, 8, n)))
+        got = sorted(_entries(header, 8 + n))
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        return f"{url}: unreadable safetensors header ({exc})"
+    want = sorted(expected)
+    if got == want:
+        return None
+    if len(got) != len(want):
+        return f"{url}: its safetensors header lists {len(got)} entries, the metadata {len(want)}"
+    g, w = next((g, w) for g, w in zip(got, want) if g != w)
+    return (f"{url}: its safetensors header says bytes {g[0]}..{g[1]} hold {g[2]} {list(g[3])}, the "
+            f"metadata {w[2]} {list(w[3])} at {w[0]}..{w[1]} (the header was altered)")
+
+
+def _entries(header: Any, data_start: int) -> list[Entry]:
+    if type(header) is not dict:
+        raise TypeError("the header is not a JSON object")
+    out = []
+    for key, value in header.items():
+        if key == "__metadata__":
+            continue
+        dtype, shape, (start, end) = value["dtype"], value["shape"], value["data_offsets"]
+        if type(dtype) is not str or type(shape) is not list or not all(type(d) is int for d in shape) \
+                or type(start) is not int or type(end) is not int:
+            raise TypeError(f"entry {key!r} is malformed")
+        out.append((data_start + start, data_start + end, dtype, tuple(shape)))
+    return out
