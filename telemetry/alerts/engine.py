@@ -1,12 +1,11 @@
 """Evaluate alert rules against the store: read a window, run the rules, keep only new alerts,
-write them to the alerts table, log them, and post them to a webhook if one is configured."""
+write them to the alerts table, log them, and post them to a webhook if one is configured
+(through an outbox, so a failed post is retried on later runs: ``telemetry.alerts.outbox``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import urllib.request
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 from telemetry.alerts.base import Alert, AllRule, AnyRule, Context, Rule, Window
 from telemetry.alerts.failures import FailedOps
+from telemetry.alerts.outbox import DEFAULT_BACKOFF_S, DEFAULT_MAX_ATTEMPTS, Delivery, deliver, enqueue
 from telemetry.alerts.slow_rank import SlowRank
 from telemetry.alerts.throughput import LowThroughput
 from telemetry.alerts.uncommitted import Uncommitted
@@ -39,6 +39,15 @@ class RuleSet:
     window_s: float = 86400.0
     webhook: str | None = None
     webhook_timeout_s: float = 5.0
+    webhook_max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    webhook_backoff_s: float = DEFAULT_BACKOFF_S
+
+    @property
+    def delivery(self) -> Delivery | None:
+        if not self.webhook:
+            return None
+        return Delivery(url=self.webhook, timeout_s=self.webhook_timeout_s,
+                        max_attempts=self.webhook_max_attempts, backoff_s=self.webhook_backoff_s)
 
 
 def build_rule(spec: dict[str, Any]) -> Rule:
@@ -62,14 +71,21 @@ def build_rule(spec: dict[str, Any]) -> Rule:
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
 
 
+_CONFIG_KEYS = ("window_s", "webhook", "webhook_timeout_s", "webhook_max_attempts", "webhook_backoff_s",
+                "rules")
+
+
 def rules_from_config(config: dict[str, Any]) -> RuleSet:
-    unknown = set(config) - {"window_s", "webhook", "webhook_timeout_s", "rules"}
+    unknown = set(config) - set(_CONFIG_KEYS)
     if unknown:
-        raise ValueError(f"alert config: unknown key(s) {sorted(unknown)}; valid: window_s, webhook, "
-                         "webhook_timeout_s, rules")
+        raise ValueError(f"alert config: unknown key(s) {sorted(unknown)}; valid: {', '.join(_CONFIG_KEYS)}")
     rule = AnyRule(tuple(build_rule(spec) for spec in config.get("rules", [])))
+    attempts = int(config.get("webhook_max_attempts", DEFAULT_MAX_ATTEMPTS))
+    if attempts < 1:
+        raise ValueError("alert config: webhook_max_attempts must be at least 1")
     return RuleSet(rule, float(config.get("window_s", 86400)), config.get("webhook") or None,
-                   float(config.get("webhook_timeout_s", 5.0)))
+                   float(config.get("webhook_timeout_s", 5.0)), attempts,
+                   float(config.get("webhook_backoff_s", DEFAULT_BACKOFF_S)))
 
 
 def load_rules(path: str | Path | None) -> RuleSet:
@@ -89,7 +105,8 @@ def load_rules(path: str | Path | None) -> RuleSet:
 
 
 def evaluate(client: Any, ruleset: RuleSet, *, now: float | None = None, job: str = "") -> list[Alert]:
-    """Run the rules over the last ``window_s`` seconds; store, log and post the new alerts."""
+    """Run the rules over the last ``window_s`` seconds; store, log and post the new alerts, and
+    post again the earlier ones whose webhook delivery is due for a retry."""
     now = time.time() if now is None else now
     since = now - ruleset.window_s
     rows = queries.rank_phases(client, datetime.fromtimestamp(since, tz=timezone.utc), job=job)
@@ -99,26 +116,17 @@ def evaluate(client: Any, ruleset: RuleSet, *, now: float | None = None, job: st
         unique.setdefault(alert.alert_id, alert)
     known = queries.alert_ids(client, list(unique))
     new = [alert for alert_id, alert in unique.items() if alert_id not in known]
-    if not new:
-        return []
-    insert_alerts(client, [alert.to_row(now) for alert in new])
-    for alert in new:
-        log.warning("alert %s [%s]: %s", alert.rule, alert.severity, alert.message)
-    if ruleset.webhook:
-        post_webhook(ruleset.webhook, new, now, ruleset.webhook_timeout_s)
+    delivery = ruleset.delivery
+    if new:
+        if delivery is not None:
+            # Into the outbox before the alerts table: an alert known as seen is always queued.
+            enqueue(client, new, now)
+        insert_alerts(client, [alert.to_row(now) for alert in new])
+        for alert in new:
+            log.warning("alert %s [%s]: %s", alert.rule, alert.severity, alert.message)
+    if delivery is not None:
+        deliver(client, delivery, now)
     return new
-
-
-def post_webhook(url: str, alerts: list[Alert], now: float, timeout_s: float = 5.0) -> bool:
-    """POST ``{"alerts": [...]}`` as JSON; a failure is logged, never raised (alerts are stored)."""
-    body = json.dumps({"alerts": [a.to_row(now) for a in alerts]}, default=str).encode()
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - configured URL
-            return 200 <= response.status < 300
-    except Exception as exc:  # noqa: BLE001 - a webhook outage must not stop evaluation
-        log.warning("alert webhook %s failed (%s); the alerts are in the alerts table", url, exc)
-        return False
 
 
 class Scheduler:
