@@ -463,3 +463,30 @@ def test_untouched_copy_loads_bit_exactly(ckpt):
     got = torch.cat([s.data for s in state["grid"]["w"]])
     assert torch.equal(got, GRID)
     assert verify(ckpt) == []
+
+
+# -- the overlap check stays near-linear on real layouts and bounded on hostile ones -------------
+
+def test_overlap_check_sweeps_the_dimension_a_layout_is_split_along():
+    from bytecheckpoint.sharding import overlapping_tensors
+
+    n = 4096  # one (1, n) row split into n column boxes: every box starts at row 0
+    off = np.stack([np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64)], axis=1)
+    ln = np.ones((n, 2), dtype=np.int64)
+    tensor = np.zeros(n, dtype=np.int64)
+    assert not overlapping_tensors(tensor, off, ln, 1, max_pairs=16 * n).any()
+    off[7, 1] = 6  # box 7 now covers column 6 again
+    assert overlapping_tensors(tensor, off, ln, 1, max_pairs=16 * n).tolist() == [True]
+
+
+def test_overlap_check_refuses_layouts_too_irregular_to_check_cheaply():
+    from bytecheckpoint.sharding import TooIrregularError, overlapping_tensors
+
+    k = 300  # tall strips in one quadrant, wide strips in the other: many candidates both ways
+    tall = [((0, i), (k, 1)) for i in range(k)]
+    wide = [((k + i, k), (1, k)) for i in range(k)]
+    boxes = tall + wide
+    off = np.array([b[0] for b in boxes], dtype=np.int64)
+    ln = np.array([b[1] for b in boxes], dtype=np.int64)
+    with pytest.raises(TooIrregularError):
+        overlapping_tensors(np.zeros(len(boxes), dtype=np.int64), off, ln, 1, max_pairs=4 * len(boxes))
