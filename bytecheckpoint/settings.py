@@ -80,7 +80,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BCP_TELEMETRY_QUEUE", _TEL, "65536", "events buffered in memory before dropping"),
     Setting("BCP_TELEMETRY_SPOOL_MAX_BYTES", _TEL, "67108864", "size at which a spool file is rotated"),
     Setting("BCP_TELEMETRY_SPOOL_LIMIT_BYTES", _TEL, "1073741824",
-            "spool bytes kept while Kafka is unreachable"),
+            "spool bytes kept before the oldest are dropped (not yet ingested, or acknowledged by Kafka)"),
+    Setting("BCP_TELEMETRY_FSYNC", _TEL, "interval", "spool fsync policy: interval, always or never"),
     Setting("BCP_JOB", "telemetry/context.py", "default", "job name on every event"),
     Setting("BCP_RUN", "telemetry/context.py", "", "run name on every event"),
     # -- telemetry store, ingester, alerts, dashboard ----------------------------------------------

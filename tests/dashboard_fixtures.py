@@ -38,7 +38,8 @@ def dashboard_run(world, tmp_path_factory: pytest.TempPathFactory) -> Iterator[D
     first = pool.run(dw.save, root, 1, str(spool), JOB, RUN_SAVE)
     second = pool.run(dw.save, root, 2, str(spool), JOB, RUN_SAVE, slow_rank=2, delay_s=0.8)
     world(2).run(dw.load, root, str(spool), JOB, RUN_LOAD)
-    run_ingester("--spool", str(spool), "--dsn", dsn, "--once", "--idle-s", "0.5")
+    # The tests read the spool again after ingesting it: keep its segments.
+    run_ingester("--spool", str(spool), "--dsn", dsn, "--once", "--idle-s", "0.5", "--keep-spool")
     alerts = subprocess.run([sys.executable, "-m", "telemetry.alerts", "--once", "--dsn", dsn], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert alerts.returncode == 0, alerts.stderr

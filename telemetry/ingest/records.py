@@ -1,8 +1,9 @@
-"""Turn raw JSON lines into storable events, setting aside (with a reason) what cannot be stored.
+"""Turn raw JSON lines into events, setting aside (with a reason) what cannot be stored.
 
-Nothing here raises on bad input: a line that is not JSON, not an object, or whose fields do
-not fit the table's column types becomes a ``Reject`` that the ingester quarantines, and the
-lines after it flow on.
+Nothing here raises on bad input: a line that is not JSON or not an object becomes a
+``Reject`` that the ingester quarantines, and the lines after it flow on. Events keep where
+they came from under WHERE_KEY, so one that fails the column checks later
+(``telemetry.store.validate``) is quarantined with its position too.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from telemetry.store.validate import BadRecord, clean_event
+from telemetry.store.validate import POSITION_KEY as WHERE_KEY
 
 # How much of a rejected record the quarantine keeps.
 KEEP_BYTES = 64 * 1024
-# Where an event came from travels with it (for a store refusal found later by bisection).
-WHERE_KEY = "_where"
 
 
 @dataclass(frozen=True)
@@ -38,8 +37,8 @@ class Reject:
 
 
 def decode_lines(data: bytes, label: str, base: int = 0) -> tuple[list[dict[str, Any]], list[Reject]]:
-    """Cleaned events and rejects of the lines in ``data``, which starts at byte ``base`` of
-    ``label`` (callers cut off a torn last line first)."""
+    """Events and rejects of the lines in ``data``, which starts at byte ``base`` of ``label``
+    (callers cut off a torn last line first)."""
     events: list[dict[str, Any]] = []
     rejects: list[Reject] = []
     offset = 0
@@ -56,11 +55,9 @@ def decode_lines(data: bytes, label: str, base: int = 0) -> tuple[list[dict[str,
         except ValueError as exc:  # includes UnicodeDecodeError
             rejects.append(Reject.of(line, f"not JSON ({str(exc)[:100]})", f"{label}:{where}"))
             continue
-        try:
-            event = clean_event(raw)
-        except BadRecord as exc:
-            rejects.append(Reject.of(line, str(exc), f"{label}:{where}"))
+        if not isinstance(raw, dict):
+            rejects.append(Reject.of(line, f"not a JSON object but {type(raw).__name__}", f"{label}:{where}"))
             continue
-        event[WHERE_KEY] = f"{label}:{where}"
-        events.append(event)
+        raw[WHERE_KEY] = f"{label}:{where}"
+        events.append(raw)
     return events, rejects

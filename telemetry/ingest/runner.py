@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from telemetry.ingest.records import Reject
 from telemetry.store import StoreConfigError, StoreUnavailableError, connect, ensure_schema
-from telemetry.store.writer import insert_clean, insert_quarantine
+from telemetry.store.writer import insert_clean, insert_quarantine, split_events
 
 log = logging.getLogger("telemetry.ingest")
 
@@ -30,7 +30,7 @@ KILL_AFTER_INSERTS_ENV = "BCP_INGEST_KILL_AFTER_INSERTS"
 
 @dataclass
 class Batch:
-    events: list[dict[str, Any]]  # cleaned (telemetry.store.validate.clean_event)
+    events: list[dict[str, Any]]  # as decoded; checked against the columns at insert
     position: Any  # None when nothing was read
     rejects: list[Reject] = field(default_factory=list)
 
@@ -107,8 +107,9 @@ class Ingester:
         Raises StoreConfigError for a bad configuration and StoreUnavailableError once the
         store stayed unreachable for ``retry_for_s``.
         """
-        rejects = list(batch.rejects)
-        stored = self._insert_bisecting(batch.events, rejects, stop)
+        good, bad = split_events(batch.events)
+        rejects = [*batch.rejects, *(Reject.of_event(event, reason) for event, reason in bad)]
+        stored = self._insert_bisecting(good, rejects, stop)
         if stored is None:
             return False
         if rejects:

@@ -3,9 +3,10 @@
 Positions are byte offsets per file, kept in a small state file written atomically (and
 fsync'd) after each successful insert. Only complete lines are read, so a file still being
 written is picked up where it was left. A line longer than ``max_line_bytes`` is skipped to
-the next newline and quarantined (a truncated copy), so it cannot stop the file's tail. Once
-a segment is sealed (its writer rotated it, exited or died) and stored to its end, it is
-deleted: the spool does not grow without bound.
+the next newline and quarantined (a truncated copy), so it cannot stop the file's tail. With
+``prune`` (the ingester's default; other readers keep their own positions and leave files
+alone), a segment that is sealed (its writer rotated it, exited or died) and stored to its
+end is deleted: the spool does not grow without bound.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class SpoolSource:
     name = "spool"
 
     def __init__(self, spool_dir: str | os.PathLike[str], state_file: str | os.PathLike[str] | None = None,
-                 *, prune: bool = True, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+                 *, prune: bool = False, max_line_bytes: int = MAX_LINE_BYTES) -> None:
         self.spool_dir = Path(spool_dir)
         self.state_file = Path(state_file) if state_file else self.spool_dir / STATE_NAME
         self.prune = prune

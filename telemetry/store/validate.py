@@ -30,6 +30,8 @@ STRING_COLUMNS: dict[str, int] = {
 }
 ATTRS_MAX_CHARS = 1024 * 1024
 REQUIRED = ("event_id", "name")
+# Where a record came from (e.g. "file:offset"), carried through cleaning for error reports.
+POSITION_KEY = "_where"
 # DateTime64's range in ClickHouse.
 TS_MIN = datetime(1900, 1, 1, tzinfo=timezone.utc).timestamp()
 TS_MAX = datetime(2299, 12, 31, 23, 59, 59, tzinfo=timezone.utc).timestamp()
@@ -128,4 +130,6 @@ def clean_event(event: Any) -> dict[str, Any]:
         out[column] = _str(column, event.get(column), limit)
     for column in INT_COLUMNS:
         out[column] = _int(column, event.get(column))
+    if POSITION_KEY in event:
+        out[POSITION_KEY] = event[POSITION_KEY]
     return out
