@@ -7,6 +7,7 @@ Modules and optimizers are saved tensor by tensor in a layout-free form; anythin
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,29 @@ from .engine.load import LoadResult
 from .engine.load import load as _load
 from .engine.save import SaveResult
 from .engine.save import save as _save
+from .errors import InvalidArgumentError
+
+MAX_STEP = 2**63 - 1  # what the metadata and the latest pointer store
+
+
+def check_step(step: Any) -> int | None:
+    """``step`` as a plain int (numpy and 0-d tensor integers converted), or None; anything
+    else (a bool, a float, a string, a negative or huge number) is an InvalidArgumentError."""
+    if step is None:
+        return None
+    if isinstance(step, bool) or type(step).__name__ in ("bool_", "bool"):
+        value = None
+    else:
+        try:
+            value = operator.index(step)
+        except TypeError:
+            value = None
+    if value is None or not 0 <= value <= MAX_STEP:
+        raise InvalidArgumentError(
+            f"step={step!r} ({type(step).__name__}) is not a training step: give a whole number "
+            f"from 0 to 2**63-1, or None; nothing was saved"
+        )
+    return int(value)
 
 
 def save(
@@ -43,10 +67,13 @@ def save(
         framework: ``"ddp"``, ``"fsdp"`` (v1), ``"fsdp2"``, ``"dtensor"`` (TP, 2-D meshes),
             ``"manual"`` (``TensorShard`` / Megatron ``ShardedTensor`` dicts) or ``"single"``;
             ``None`` detects it.
-        step: the training step, recorded in the metadata and the ``latest`` pointer.
+        step: the training step (an int >= 0, or None), recorded in the metadata and the
+            ``latest`` pointer, which names the checkpoint of the highest step saved in a root.
         user_metadata: small JSON-like values stored in the metadata.
         process_group: the ranks taking part (default: the default group, or none).
-        overwrite: replace a committed checkpoint already at ``path``.
+        overwrite: replace a committed checkpoint already at ``path`` (only that: anything
+            else there, such as a file, a root of checkpoints or a directory holding other
+            files, is refused with an error and left untouched).
         chunk_bytes: checksum granularity in bytes.
         fqn_map: renames this rank's parameter names to global ones, e.g. a pipeline stage's
             ``layers.0`` to ``layers.8`` (see :func:`bytecheckpoint.pipeline_fqn_map`).
@@ -65,6 +92,7 @@ def save(
     A save whose state structure is unchanged since this process group's last save reuses
     that save's plan and sends no planning messages (``SaveResult.cached_plan``).
     """
+    step = check_step(step)
     return _save(path, state, framework=framework, step=step, user_metadata=user_metadata,
                  process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes,
                  fqn_map=fqn_map, async_save=async_save, files_per=files_per, host_size=host_size)
@@ -85,7 +113,8 @@ def load(
     ``path`` is a checkpoint directory or a root whose ``latest`` pointer names one. With
     ``strict=False``, keys that only one side has are reported in the result instead of
     raising. ``verify`` checks the checksum of every byte read. ``fqn_map`` renames this
-    rank's parameter names to global ones, as in :func:`save`.
+    rank's parameter names to global ones, as in :func:`save`. A checkpoint replaced by an
+    ``overwrite=True`` save while it is loaded raises ``CheckpointReplacedError`` (load again).
     """
     wait_pending()  # a save still in flight finishes first (it may be the one to load)
     return _load(path, state, framework=framework, strict=strict, process_group=process_group,

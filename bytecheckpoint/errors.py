@@ -99,3 +99,18 @@ class NotARegularFileError(StorageIOError):
 
 class InvalidStorageURLError(PermanentStorageError):
     """A storage URL that cannot name anything (``s3://`` without a bucket): a usage error."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument of a public call is not valid (a ``step`` that is not a whole number >= 0,
+    say); nothing was written."""
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another save to the same checkpoint path is in progress (or another checkpoint-replacing
+    operation holds it); nothing of the other save was touched."""
+
+
+class CheckpointReplacedError(CheckpointError):
+    """The checkpoint was replaced (an ``overwrite=True`` save, or ``latest`` moved) while it was
+    being loaded, so the bytes read may mix two saves; loading again reads the new one."""

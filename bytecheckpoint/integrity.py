@@ -1,173 +1,74 @@
-"""The commit protocol, the ``latest`` pointer, resolving a path, and verification.
+"""Resolving a checkpoint path, reading its metadata, and verification.
 
-A checkpoint directory is committed when its metadata file exists under the final path.
-On storage with atomic rename, ranks write into a hidden staging directory next to the
-final one (``.<name>.staging-<id>``); the coordinator writes the metadata last and renames
-the directory into place. A crash at any moment leaves either the old state or the new
-one, and a staging directory is never mistaken for a checkpoint.
-
-On object stores (``CommitMode.MARKER``: no rename, but a PUT of one object is atomic) ranks
-write straight into the final prefix and the metadata object, written last, is the commit.
-An in-progress marker object ``.<name>.staging-<id>`` next to it says a save is under way,
-so a crashed save is reported as "never committed" and cleaned up by the next save to the
-same path. The ``latest`` pointer is replaced by a single PUT. With ``overwrite=True`` the
-old checkpoint at the same path is uncommitted (metadata deleted first) when the save starts.
+The commit protocol (staging, commit, overwrite, the ``latest`` pointer) lives in
+:mod:`.commit`; its names are re-exported here for the tools that import them from this module.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import xxhash
+
 from .checksums import bad_chunks
-from .errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
+from .commit import (  # noqa: F401  (re-exported)
+    LATEST_FILE,
+    REPLACED_TAG,
+    STAGING_TAG,
+    Latest,
+    abandon,
+    begin_save,
+    commit,
+    read_latest,
+    repair,
+    split_checkpoint_path,
+    staging_path,
+    stale_staging_dirs,
+    update_latest,
+)
+from .errors import CorruptCheckpointError, NotACheckpointError
 from .file_headers import Entry, expected_entries, header_problem
-from .metadata import METADATA_FILE, ByteMeta, CheckpointMetadata, check_file_name
-from .storage import CommitMode, Storage, open_storage
+from .metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
+from .storage import Storage, open_storage
 
 METADATA_MAX_ENV = "BCP_METADATA_MAX_BYTES"
 DEFAULT_METADATA_MAX_BYTES = 1 << 30
 _METADATA_READ_CHUNK = 64 << 20
 _VERIFY_BLOCK = 64 << 20  # bytes of one piece a verify thread holds at a time
 
-LATEST_FILE = "latest"
-STAGING_TAG = ".staging-"
-REPLACED_TAG = ".replaced-"
 
-
-def split_checkpoint_path(path: str) -> tuple[str, str]:
-    path = path.rstrip("/")
-    parent, name = posixpath.split(path)
-    if not name or name.startswith("."):
-        raise NotACheckpointError(
-            f"{path!r} cannot be a checkpoint path: give a directory name such as "
-            "'checkpoints/step_100' (names starting with '.' are reserved)"
-        )
-    return parent, name
-
-
-def staging_path(path: str, save_id: str) -> str:
-    parent, name = split_checkpoint_path(path)
-    return posixpath.join(parent, f".{name}{STAGING_TAG}{save_id}")
-
-
-def stale_staging_dirs(storage: Storage, path: str) -> list[str]:
-    parent, name = split_checkpoint_path(path)
-    prefix = f".{name}{STAGING_TAG}"
-    return [posixpath.join(parent, n) for n in storage.list_dir(parent) if n.startswith(prefix)]
-
-
-def _uncommit(storage: Storage, path: str) -> None:
-    """Delete a checkpoint on an object store, its commit (the metadata) first, so a crash
-    part-way never leaves metadata that names deleted files."""
-    storage.delete(posixpath.join(path, METADATA_FILE))
-    storage.delete(path)
-
-
-def begin_save(storage: Storage, path: str, overwrite: bool, save_id: str) -> str:
-    """Check the target, clear what a crashed save to it left, and return where ranks write."""
-    marker = storage.commit_mode is CommitMode.MARKER
-    committed = storage.exists(posixpath.join(path, METADATA_FILE)) if marker else storage.exists(path)
-    stale = stale_staging_dirs(storage, path)
-    if marker and not committed and not stale and storage.list_dir(path):
-        committed = True  # files that no save of ours left: never write over them silently
-    if committed and not overwrite:
-        raise CheckpointExistsError(
-            f"{storage.url(path)} already holds a checkpoint; choose a new path or pass overwrite=True"
-        )
-    if marker and (stale or committed):
-        _uncommit(storage, path)
-    for leftover in stale:
-        storage.delete(leftover)  # left by a crashed save to the same path
-    staging = staging_path(path, save_id)
-    if not marker:
-        storage.makedirs(staging)
-        return staging
-    storage.write_bytes(staging, json.dumps({"save_id": save_id, "started": time.time()}).encode())
-    storage.makedirs(path)
-    return path
-
-
-def abandon(storage: Storage, staging: str, path: str, save_id: str) -> None:
-    """Remove what a failed save wrote; a committed checkpoint elsewhere is left alone."""
-    if storage.commit_mode is CommitMode.MARKER:
-        _uncommit(storage, staging)
-        storage.delete(staging_path(path, save_id))
-    else:
-        storage.delete(staging)
-
-
-def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id: str) -> None:
-    """Make ``staging`` visible as ``final`` (atomic rename; old copy moved aside first).
-
-    On object stores the metadata the caller wrote into ``final`` already committed it; the
-    in-progress marker is removed."""
-    if storage.commit_mode is CommitMode.MARKER:
-        storage.delete(staging_path(final, save_id))
-        return
-    parent, name = split_checkpoint_path(final)
-    replaced = None
-    if storage.exists(final):
-        if not overwrite:
-            raise CheckpointExistsError(f"{storage.url(final)} already exists; pass overwrite=True")
-        replaced = posixpath.join(parent, f".{name}{REPLACED_TAG}{save_id}")
-        storage.rename(final, replaced)
-    storage.rename(staging, final)
-    if replaced is not None:
-        storage.delete(replaced)
-
-
-@dataclass(frozen=True)
-class Latest:
-    name: str
-    step: int | None
-
-
-def read_latest(storage: Storage, root: str) -> Latest | None:
-    pointer = posixpath.join(root, LATEST_FILE)
-    try:
-        doc = json.loads(bytes(storage.read(pointer)).decode())
-        name = check_file_name(doc["checkpoint"], pointer)
-        return Latest(name, doc.get("step"))
-    except FileNotFoundError:
+def _find(storage: Storage, path: str) -> str | None:
+    """The committed checkpoint at ``path`` or named by its ``latest``, or None."""
+    if storage.exists(posixpath.join(path, METADATA_FILE)):
+        split_checkpoint_path(path)
+        return path
+    found = repair(storage, path)  # a commit that died part-way through an overwrite
+    if found is not None:
+        return found
+    latest = read_latest(storage, path)
+    if latest is None:
         return None
-    except (ValueError, KeyError, TypeError, UnsafeCheckpointError) as exc:
-        raise CorruptCheckpointError(f"{pointer}: unreadable latest pointer ({exc})") from exc
-
-
-def update_latest(storage: Storage, final: str, step: int | None, save_id: str) -> bool:
-    """Point ``<parent>/latest`` at ``final`` unless it already names a later step."""
-    parent, name = split_checkpoint_path(final)
-    current = read_latest(storage, parent)
-    if current is not None and step is not None and current.step is not None and current.step > step:
-        return False
-    doc = json.dumps({"checkpoint": name, "step": step, "time": time.time()}).encode()
-    if storage.commit_mode is CommitMode.MARKER:
-        storage.write_bytes(posixpath.join(parent, LATEST_FILE), doc)  # one PUT: atomic
-        return True
-    tmp = posixpath.join(parent, f".{LATEST_FILE}.tmp-{save_id}")
-    storage.write_bytes(tmp, doc)
-    storage.rename(tmp, posixpath.join(parent, LATEST_FILE), overwrite=True)
-    return True
+    target = posixpath.join(path, latest.name)
+    if storage.exists(posixpath.join(target, METADATA_FILE)):
+        return target
+    return repair(storage, target)
 
 
 def resolve(url: str) -> tuple[Storage, str]:
     """Find the committed checkpoint at ``url`` (a checkpoint or a root with ``latest``)."""
     storage, path = open_storage(url)
     path = path.rstrip("/") or path
-    if storage.exists(posixpath.join(path, METADATA_FILE)):
-        split_checkpoint_path(path)
-        return storage, path
+    # An overwrite swapping a checkpoint in hides it for a moment: look twice before saying no.
+    for _attempt in range(2):
+        found = _find(storage, path)
+        if found is not None:
+            return storage, found
     latest = read_latest(storage, path)
     if latest is not None:
-        target = posixpath.join(path, latest.name)
-        if storage.exists(posixpath.join(target, METADATA_FILE)):
-            return storage, target
         raise NotACheckpointError(
             f"{url}: the latest pointer names {latest.name!r}, which holds no committed "
             "checkpoint (it was deleted or moved); load a specific checkpoint instead"
@@ -193,6 +94,22 @@ def resolve(url: str) -> tuple[Storage, str]:
             " and no 'latest' pointer"
         )
     raise NotACheckpointError(f"{url}: no such checkpoint")
+
+
+def read_metadata_identified(storage: Storage, path: str) -> tuple[CheckpointMetadata, bytes]:
+    """The metadata and its identity (a digest of its bytes): a load compares the identity
+    again when it ends, to notice that the checkpoint was replaced meanwhile."""
+    meta_path = posixpath.join(path, METADATA_FILE)
+    raw = read_metadata_bytes(storage, meta_path)
+    return CheckpointMetadata.from_bytes(raw, source=storage.url(meta_path)), xxhash.xxh3_128_digest(raw)
+
+
+def metadata_identity(storage: Storage, path: str) -> bytes | None:
+    """The identity of the metadata now at ``path``; None where there is none (or it cannot be read)."""
+    try:
+        return xxhash.xxh3_128_digest(read_metadata_bytes(storage, posixpath.join(path, METADATA_FILE)))
+    except (OSError, EOFError, CorruptCheckpointError):
+        return None
 
 
 def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:

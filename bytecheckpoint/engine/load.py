@@ -31,6 +31,8 @@ from ..checksums import widen_to_chunks
 from ..comm import Communicator, Outcome, raise_failures
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import (
+    CheckpointReplacedError,
+    CorruptCheckpointError,
     DtypeMismatchError,
     MissingKeysError,
     RankFailedError,
@@ -38,7 +40,7 @@ from ..errors import (
     StateMismatchError,
 )
 from ..gc_pause import gc_paused
-from ..integrity import check_file_sizes, read_metadata, resolve
+from ..integrity import check_file_sizes, metadata_identity, read_metadata_identified, resolve
 from ..leases import lease_for_load
 from ..metadata import CheckpointMetadata, SavedBox
 from ..planners import get_planner
@@ -176,6 +178,20 @@ class _LocalPlan:
     reads: dict[tuple[int, int], BoxRead]  # by (file index, byte offset) of the saved piece
     needs: list[Need]
     problems: list[StateMismatchError]
+    identity: bytes = b""  # digest of the metadata this load started from
+
+
+def _check_unchanged(storage: Storage, path: str, identity: bytes,
+                     error: BaseException | None = None) -> None:
+    """Raise CheckpointReplacedError if the metadata at ``path`` is no longer the one the load
+    started from: an ``overwrite=True`` save replaced the checkpoint meanwhile, so what was read
+    may mix two saves (and a read error is the swap's doing, not damage)."""
+    if metadata_identity(storage, path) == identity:
+        return
+    raise CheckpointReplacedError(
+        f"{storage.url(path)}: the checkpoint was replaced (overwritten by another save) while "
+        "it was being loaded, so the bytes read may come from two saves; load again"
+    ) from error
 
 
 def _needed_range(saved: SavedBox, copies: list[Copy], item: int, verify: bool,
@@ -191,11 +207,24 @@ def _needed_range(saved: SavedBox, copies: list[Copy], item: int, verify: bool,
     return start, stop
 
 
+def _open_checkpoint(url: str) -> tuple[Storage, str, CheckpointMetadata, bytes]:
+    """Resolve ``url`` and read its metadata; an overwrite swapping the checkpoint in between
+    the two hides the metadata for a moment, so a vanished file is looked up again."""
+    for _attempt in range(50):
+        storage, path = resolve(url)
+        try:
+            meta, identity = read_metadata_identified(storage, path)
+            return storage, path, meta, identity
+        except FileNotFoundError:
+            time.sleep(0.02)
+    raise CheckpointReplacedError(f"{url}: the checkpoint kept being replaced or removed while the load "
+                                  "started; load again once the saves to it are done")
+
+
 def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Communicator,
                 verify: bool, fqn_map: Callable[[str], str] | None) -> _LocalPlan:
     with span("load.metadata"):
-        storage, path = resolve(url)
-        meta = read_metadata(storage, path)
+        storage, path, meta, identity = _open_checkpoint(url)
     saved_keys = {tm.key for tm in meta.tensors} | {o.key for o in meta.objects}
     flat = flatten_state(
         state, for_load=True, fqn_map=fqn_map,
@@ -249,9 +278,13 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                     obj.key, b.file, b.byte_offset, b.byte_length, 0, b.byte_length, b.checksums), source)
         check_rank_objects(meta, flat.rank_objects, source_rank, source)
         check_coverage(wanted_targets, reads.values(), source)
-        check_file_sizes(storage, path, meta, {r.file for r in reads.values()}, headers=verify)
+        try:
+            check_file_sizes(storage, path, meta, {r.file for r in reads.values()}, headers=verify)
+        except CorruptCheckpointError as exc:
+            _check_unchanged(storage, path, identity, exc)
+            raise
     needs = [Need(f, r.byte_offset, r.byte_length, r.lo, r.hi) for (f, _), r in reads.items()]
-    return _LocalPlan(storage, path, meta, flat, reads, needs, problems)
+    return _LocalPlan(storage, path, meta, flat, reads, needs, problems, identity)
 
 
 def _exchange_group(comm: Communicator, process_group: Any,
@@ -309,13 +342,19 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
         plan = _plan_local(url, state, framework, comm, verify, fqn_map)
         mine = Outcome(value={"wanted": _wanted(plan.flat), "groups": set(plan.flat.kinds),
                               "prefixes": plan.flat.accept_prefixes, "needs": plan.needs,
-                              "problems": bool(plan.problems), "host": socket.gethostname()})
+                              "problems": bool(plan.problems), "host": socket.gethostname(),
+                              "identity": plan.identity})
     except Exception as exc:
         local_error, mine = exc, Outcome.failure(exc)
     # The one collective before reading: every rank's keys and byte ranges (or its failure).
     everyone = comm.all_gather(mine)
     raise_failures(everyone, "checkpoint load", local_error)
     values = [o.value for o in everyone]
+    if len({v["identity"] for v in values}) > 1:  # latest moved, or an overwrite, between ranks
+        raise CheckpointReplacedError(
+            f"{url}: the ranks found different checkpoints there (it was replaced, or its latest "
+            "pointer moved, while the load started); load again"
+        )
     missing, unexpected = _check_keys(plan, values, strict, comm)
     if plan.problems:
         if len(plan.problems) == 1:
@@ -340,6 +379,7 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
     )
     outcome = pipeline.run()
     phases["read"] = time.perf_counter() - t
+    _check_unchanged(plan.storage, plan.path, plan.identity, outcome.error)
     if outcome.error is not None:
         raise outcome.error
 

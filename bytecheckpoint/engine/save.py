@@ -35,11 +35,12 @@ import xxhash
 
 from telemetry import set_context, span
 
-from .. import codec, errors
+from .. import codec, errors, save_lock
 from ..checksums import DEFAULT_CHUNK_BYTES
 from ..comm import Communicator, Outcome, summarize_failures
+from ..commit import prepare_target
 from ..dtypes import dtype_name
-from ..errors import CheckpointExistsError, PlanningError, RankFailedError
+from ..errors import CheckpointExistsError, PlanningError, RankFailedError, StorageError
 from ..gc_pause import gc_paused
 from ..integrity import (
     abandon,
@@ -47,7 +48,6 @@ from ..integrity import (
     commit,
     split_checkpoint_path,
     staging_path,
-    stale_staging_dirs,
     update_latest,
 )
 from ..metadata import METADATA_FILE
@@ -115,6 +115,12 @@ class _Job:
     key: str = ""
     boxes_digest: bytes = b""
     global_plan: GlobalSavePlan | None = None  # coordinator, after planning
+    lock: save_lock.SaveLock | None = None  # coordinator: held from begin_save to the commit's end
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def _source_view(item: WriteItem, shards: list[LocalShard]) -> torch.Tensor:
@@ -159,9 +165,16 @@ def _coordinator_failure(exc: BaseException) -> Outcome:
 def _plan_globally(job: _Job, plans: list[LocalSavePlan]) -> list[Outcome]:
     job.global_plan = plan_save(plans)
     save_id = uuid.uuid4().hex[:12]
-    # Checks the target, clears a crashed save's leftovers, and (on object stores) writes the
-    # in-progress marker that keeps a half-written checkpoint from ever looking committed.
-    staging = begin_save(job.storage, job.path, job.overwrite, save_id)
+    # The path's save lock, held until the commit ends: no other save touches it meanwhile.
+    lock = save_lock.acquire(job.storage, job.path, save_id)
+    try:
+        # Checks the target, clears crashed saves' leftovers, and (on object stores) writes the
+        # owner record that keeps a half-written checkpoint from ever looking committed.
+        staging = begin_save(job.storage, job.path, job.overwrite, save_id, lock=lock)
+    except BaseException:
+        lock.release()
+        raise
+    job.lock = lock
     return [Outcome(value=("assign", _Assignment(staging, save_id, items, shared, save_id)))
             for items, shared in zip(job.global_plan.assignments, job.global_plan.shared_assignments)]
 
@@ -175,12 +188,27 @@ def _commit(job: _Job, staging: str, save_id: str, writes: list[RankWrite], temp
     storage = job.storage
     storage.write_bytes(storage.join(staging, METADATA_FILE), raw)
     commit(storage, staging, job.path, job.overwrite, save_id)
-    update_latest(storage, job.path, job.step, save_id)
+    try:
+        update_latest(storage, job.path, job.step, save_id)
+    except Exception as exc:  # committed all the same: never undone because of the pointer
+        raise StorageError(
+            f"{storage.url(job.path)} was committed, but the latest pointer next to it could not "
+            f"be moved to it ({type(exc).__name__}: {exc}); load it by its path, or save again"
+        ) from exc
     return meta.total_bytes, len(raw), len(meta.files)
 
 
 def _decide(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
     """The coordinator's answer to the first round, one outcome per rank."""
+    planning = all(o.error is None and o.value[0] == "plan" for o in gathered)
+    try:
+        return _answer(job, gathered)
+    finally:
+        if not planning:  # a cached-plan save ends here (committed, failed or replanned)
+            job.release()
+
+
+def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
     world = job.comm.world_size
     written = [o.value for o in gathered if o.error is None and o.value[0] == "written"]
     try:
@@ -198,8 +226,6 @@ def _decide(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
             staging = written[0][3]
             check_shared_objects([v[5] for v in written])
             result = _commit(job, staging, entry.save_id(), [v[4] for v in written], entry.template)
-            for stale in stale_staging_dirs(job.storage, job.path):
-                job.storage.delete(stale)  # a crashed save's leftovers (ours was renamed away)
             return [Outcome(value=("committed", result))] * world
         # Some ranks' caches hit and others' did not: the structure changed on some ranks.
         for v in written:
@@ -228,7 +254,12 @@ def _raise_if_failed(outcome: Outcome, local_error: BaseException | None, what: 
     if isinstance(cls, type) and issubclass(cls, errors.CheckpointError) and not issubclass(
         cls, simple[1:]
     ):
-        raise cls(outcome.error)
+        try:
+            same = cls(outcome.error)
+        except TypeError:  # a class whose constructor wants more than a message: summarised
+            same = None
+        if same is not None:
+            raise same
     failures = outcome.value if isinstance(outcome.value, dict) else {-1: outcome.error}
     raise RankFailedError(f"{what} {outcome.error}", failures)
 
@@ -288,9 +319,13 @@ class _Sources:
 
 
 def _prepare(job: _Job, assignment: _Assignment) -> None:
-    """A cached plan: no coordinator created the staging directory this time."""
+    """A cached plan: no coordinator created the staging directory this time. The coordinator
+    takes the path's save lock and checks the target as ``begin_save`` would."""
     storage = job.storage
-    if storage.exists(job.path) and not job.overwrite:
+    if job.comm.is_coordinator:
+        job.lock = save_lock.acquire(storage, job.path, assignment.save_id)
+        prepare_target(storage, job.path, job.overwrite, job.lock)
+    elif storage.exists(job.path) and not job.overwrite:
         raise CheckpointExistsError(
             f"{storage.url(job.path)} already holds a checkpoint; choose a new path or "
             "pass overwrite=True"
@@ -360,8 +395,11 @@ def _commit_round(job: _Job, assignment: _Assignment, written: RankWrite | None,
                                                    template))
                 except Exception as exc:
                     local_error, result = exc, _coordinator_failure(exc)
-            if result.error is not None:
-                abandon(job.storage, assignment.staging, job.path, assignment.save_id)
+            try:
+                if result.error is not None:
+                    abandon(job.storage, assignment.staging, job.path, assignment.save_id)
+            finally:
+                job.release()
         final = comm.broadcast(result)
     job.phases["commit"] = time.perf_counter() - t
     _raise_if_failed(final, local_error, "checkpoint save")
@@ -403,6 +441,8 @@ def _finish(job: _Job, assignment: _Assignment, hit: bool, sources: _Sources) ->
     except BaseException:
         plan_cache.drop(comm.global_ranks)
         raise
+    finally:
+        job.release()  # whatever happened, this save no longer holds its path
     total_bytes, metadata_bytes, n_files = totals
     mine_bytes = sum(f.size for f in written.files) if written else 0
     return SaveResult(job.url, job.step, job.framework, mine_bytes, total_bytes, metadata_bytes, n_files,

@@ -1,0 +1,495 @@
+"""The commit protocol: where a save writes, what it may replace, how it becomes visible.
+
+A checkpoint directory is committed when its metadata file exists under the final path.
+On storage with atomic rename (``CommitMode.RENAME``), ranks write into a hidden staging
+directory next to the final one (``.<name>.staging-<id>``); the coordinator writes the metadata
+last and renames the directory into place. With ``overwrite=True`` the old checkpoint is first
+renamed aside (``.<name>.replaced-<id>``) and deleted only once the new one is in place; if the
+process dies between the two renames, the next save to the path or the next load puts the old
+one back. So a crash at any moment leaves the old checkpoint or the new one, never neither.
+
+On object stores (``CommitMode.MARKER``: no rename, but a PUT of one object is atomic) ranks
+write straight into the final prefix and the metadata object, written last, is the commit. The
+save's owner record ``.<name>.staging-<id>.owner`` next to it says a save is under way, so a
+crashed save is reported as "never committed" and its files are cleaned up by the next save to
+the same path. Trade-off: the new files have the old ones' names, so ``overwrite=True`` on an
+object store uncommits the old checkpoint (its metadata deleted first, then its files) when the
+new save starts; a save that then fails leaves neither. Save to a new path and delete the old
+one afterwards where that matters.
+
+Every save holds the path's save lock (:mod:`.save_lock`) from :func:`begin_save` to the end of
+its commit or clean-up, so it never deletes or replaces another live save's files, and
+``overwrite=True`` replaces only a committed checkpoint of this format with nothing else in it:
+never a file, a root of checkpoints, or a directory holding anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import posixpath
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgpack
+
+from . import save_lock
+from .errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
+from .leases import LEASED_SCHEMES, is_being_read
+from .metadata import FORMAT_NAME, METADATA_FILE, CheckpointMetadata, check_file_name
+from .save_lock import STAGING_TAG, SaveLock, local_os_path
+from .storage import CommitMode, Storage
+
+LATEST_FILE = "latest"
+REPLACED_TAG = ".replaced-"
+MAX_LATEST_BYTES = 64 << 10  # a pointer is a few dozen bytes; anything large is not ours
+MAX_METADATA_CHECK_BYTES = 2 << 30
+GRACE_ENV = "BCP_SAVE_STAGING_GRACE_S"
+DEFAULT_GRACE_S = 60.0
+WAIT_READERS_ENV = "BCP_OVERWRITE_WAIT_S"
+DEFAULT_WAIT_READERS_S = 5.0
+# The names of the data files a save writes (the leftovers of a crashed save on an object store).
+_DATA_FILE = re.compile(r"^[a-z]+-h?\d{5}\.safetensors$")
+
+log = logging.getLogger(__name__)
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value >= 0 else default
+
+
+def split_checkpoint_path(path: str) -> tuple[str, str]:
+    path = path.rstrip("/")
+    parent, name = posixpath.split(path)
+    if not name or name.startswith("."):
+        raise NotACheckpointError(
+            f"{path!r} cannot be a checkpoint path: give a directory name such as "
+            "'checkpoints/step_100' (names starting with '.' are reserved)"
+        )
+    return parent, name
+
+
+def staging_path(path: str, save_id: str) -> str:
+    parent, name = split_checkpoint_path(path)
+    return posixpath.join(parent, f".{name}{STAGING_TAG}{save_id}")
+
+
+def stale_staging_dirs(storage: Storage, path: str) -> list[str]:
+    """Every staging entry of saves to ``path`` (directories, markers, owner records), live or not."""
+    parent, name = split_checkpoint_path(path)
+    prefix = f".{name}{STAGING_TAG}"
+    return [posixpath.join(parent, n) for n in storage.list_dir(parent) if n.startswith(prefix)]
+
+
+def _replaced_dirs(storage: Storage, path: str) -> list[str]:
+    parent, name = split_checkpoint_path(path)
+    prefix = f".{name}{REPLACED_TAG}"
+    return [posixpath.join(parent, n) for n in storage.list_dir(parent) if n.startswith(prefix)]
+
+
+# -- what is at the target ---------------------------------------------------------------------
+
+
+def exists(storage: Storage, path: str) -> bool:
+    """``storage.exists``, where a file standing in for a parent directory means "no"."""
+    try:
+        return storage.exists(path)
+    except NotADirectoryError:
+        return False
+
+
+def _is_link(storage: Storage, path: str) -> bool:
+    local = local_os_path(storage, path)
+    return local is not None and os.path.islink(local.rstrip(os.sep))
+
+
+def checkpoint_files(storage: Storage, path: str) -> set[str] | None:
+    """The entries a committed checkpoint of this format at ``path`` consists of (its storage
+    files and its metadata), or None where ``path`` has no metadata file."""
+    meta_path = posixpath.join(path, METADATA_FILE)
+    url = storage.url(path)
+    try:
+        size = storage.size(meta_path)
+        if size > MAX_METADATA_CHECK_BYTES:
+            raise NotACheckpointError(f"{url}: {METADATA_FILE} is {size} bytes, too large to be ours")
+        raw = bytes(storage.read(meta_path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        raise NotACheckpointError(f"{url}: {METADATA_FILE} is a directory, not a checkpoint") from None
+    try:
+        names = {f.name for f in CheckpointMetadata.from_bytes(raw, source=url).files}
+    except CorruptCheckpointError:
+        names = _loose_file_names(raw)  # damaged, but ours: it may still be replaced
+        if names is None:
+            raise NotACheckpointError(
+                f"{url}: {METADATA_FILE} is not bytecheckpoint metadata, so this is not a "
+                "checkpoint of ours; it is left as it is. Remove it yourself or choose another path"
+            ) from None
+    return names | {METADATA_FILE}
+
+
+def _loose_file_names(raw: bytes) -> set[str] | None:
+    try:  # the first object only: whatever follows it (a trailer, damage) does not matter here
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(raw) + 1)
+        unpacker.feed(raw)
+        doc = next(unpacker)
+    except Exception:  # any decoding failure: not ours
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        return None
+    names = set()
+    for entry in doc.get("files") or []:
+        with contextlib.suppress(TypeError, IndexError, UnsafeCheckpointError):
+            names.add(check_file_name(entry[0], "metadata"))
+    return names
+
+
+def check_target(storage: Storage, path: str, overwrite: bool) -> bool:
+    """Whether a committed checkpoint is at ``path`` (to be replaced: ``overwrite`` is set).
+
+    Raises :class:`CheckpointExistsError` for a checkpoint without ``overwrite`` and
+    :class:`NotACheckpointError` for anything else there: a file, a broken link, a root of
+    checkpoints, a directory holding anything but one checkpoint. Nothing is changed."""
+    url = storage.url(path)
+    local = local_os_path(storage, path)
+    if local is not None and os.path.islink(local.rstrip(os.sep)) and not os.path.exists(local):
+        raise NotACheckpointError(f"{url} is a broken symbolic link; remove it or choose another path")
+    names = checkpoint_files(storage, path)
+    if names is not None:
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{url} already holds a checkpoint; choose a new path or pass overwrite=True")
+        extra = sorted(set(storage.list_dir(path)) - names)
+        if extra:
+            raise NotACheckpointError(
+                f"{url} holds a checkpoint and also {_listing(extra)}, which are not part of it; "
+                "overwrite=True replaces only a checkpoint with nothing else in it. Move those "
+                "out, or choose another path"
+            )
+        return True
+    try:
+        storage.size(path)
+        is_file = True
+    except (FileNotFoundError, IsADirectoryError):
+        is_file = False
+    if is_file:
+        raise NotACheckpointError(
+            f"{url} is a file, not a checkpoint; it is left as it is. Choose another path")
+    entries = storage.list_dir(path)
+    if not entries and (storage.commit_mode is CommitMode.MARKER or not storage.is_dir(path)):
+        return False  # nothing there (an object store has no empty directories)
+    what = _what_is(storage, path, entries)
+    if not entries and overwrite:
+        return False  # an empty directory: nothing to lose (renamed aside like a checkpoint)
+    raise (NotACheckpointError if overwrite else CheckpointExistsError)(
+        f"{url} exists and is {what}, not a checkpoint; " + (
+            "overwrite=True replaces only a committed checkpoint, so it is left as it is. "
+            if overwrite else "") + "Choose another path"
+    )
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _what_is(storage: Storage, path: str, entries: list[str]) -> str:
+    if not entries:
+        return "an empty directory"
+    if LATEST_FILE in entries or any(
+        exists(storage, posixpath.join(path, e, METADATA_FILE)) for e in entries[:50] if not e.startswith(".")
+    ):
+        return "a root of checkpoints (it holds checkpoints or a 'latest' pointer)"
+    return f"a directory holding {_listing(entries)}"
+
+
+# -- clearing what crashed saves left ----------------------------------------------------------
+
+
+def _recently_active(storage: Storage, entry: str, grace: float) -> bool:
+    """A staging directory written to within ``grace`` seconds (local disk only): a rank of a
+    save whose coordinator has not taken the lock yet may be filling it."""
+    local = local_os_path(storage, entry)
+    if local is None:
+        return storage.commit_mode is CommitMode.RENAME and storage.scheme != "mem"
+    newest = 0.0
+    with contextlib.suppress(OSError):
+        newest = os.lstat(local).st_mtime
+        with os.scandir(local) as it:
+            for e in it:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    return time.time() - newest < grace
+
+
+def _dead_entries(storage: Storage, path: str, lock: SaveLock) -> list[str]:
+    """Staging entries of saves to ``path`` that are over (their owner died or finished)."""
+    grace = _seconds(GRACE_ENV, DEFAULT_GRACE_S)
+    mine = staging_path(path, lock.save_id)
+    crashed = lock.previous.get("save_id") if lock.previous else None
+    crashed_path = staging_path(path, str(crashed)) if crashed else None
+    records: dict[str, bool] = {}
+    for full in stale_staging_dirs(storage, path):
+        if full.endswith(save_lock.OWNER_SUFFIX):
+            try:
+                records[full[: -len(save_lock.OWNER_SUFFIX)]] = save_lock.record_alive(
+                    save_lock.read_record(storage, full))
+            except FileNotFoundError:
+                records[full[: -len(save_lock.OWNER_SUFFIX)]] = False
+    dead = []
+    for full in stale_staging_dirs(storage, path):
+        base = full[: -len(save_lock.OWNER_SUFFIX)] if full.endswith(save_lock.OWNER_SUFFIX) else full
+        if base == mine:
+            continue
+        if base in records:
+            if not records[base]:
+                dead.append(full)
+        elif storage.commit_mode is CommitMode.MARKER or not storage.is_dir(full):
+            dead.append(full)  # a marker of an earlier release: the save lock now excludes its writer
+        elif base == crashed_path or not _recently_active(storage, full, grace):
+            dead.append(full)
+    return dead
+
+
+def _restore_replaced(storage: Storage, path: str) -> str | None:
+    """Under the save lock: finish what a commit that died part-way left. Returns the path of
+    the checkpoint put back, if one was."""
+    restored = None
+    for replaced in sorted(_replaced_dirs(storage, path)):
+        if not storage.exists(path) and not _is_link(storage, path):
+            if storage.exists(posixpath.join(replaced, METADATA_FILE)):
+                storage.rename(replaced, path)  # the new one never made it in: the old is back
+                restored = path
+                log.warning("%s: put the checkpoint back that a crashed overwrite had moved aside",
+                            storage.url(path))
+            continue
+        storage.delete(replaced)  # the new one is in place: this is the old, meant to go
+    return restored
+
+
+def repair(storage: Storage, path: str, wait_s: float = 2.0) -> str | None:
+    """For a reader: where the checkpoint at ``path`` is when a commit died between moving the
+    old one aside and renaming the new one in (it puts the old one back when no save holds the
+    path, else reads it where it lies). None when there is nothing to repair."""
+    if storage.commit_mode is CommitMode.MARKER:
+        return None
+    try:
+        split_checkpoint_path(path)
+        replaced = _replaced_dirs(storage, path)
+    except NotACheckpointError:
+        return None
+    if not replaced:
+        return None
+    meta = posixpath.join(path, METADATA_FILE)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if storage.exists(meta):
+            return path  # a live commit just finished its second rename
+        lock = save_lock.try_acquire(storage, path, f"repair-{uuid.uuid4().hex[:8]}")
+        if lock is not None:
+            try:
+                dead = _dead_entries(storage, path, lock)
+                _restore_replaced(storage, path)
+                for leftover in dead:  # the crashed save's staging, which only this lock knew
+                    storage.delete(leftover)
+            finally:
+                lock.release()
+            return path if storage.exists(meta) else None
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    # Cannot take the lock (read-only storage, or a save holds it): read the old one in place.
+    for candidate in sorted(replaced):
+        if storage.exists(posixpath.join(candidate, METADATA_FILE)):
+            return candidate
+    return None
+
+
+# -- the protocol --------------------------------------------------------------------------
+
+
+def _uncommit(storage: Storage, path: str, names: set[str]) -> None:
+    """Delete a checkpoint on an object store, its commit (the metadata) first, so a crash
+    part-way never leaves metadata that names deleted files; only the entries it consists of."""
+    storage.delete(posixpath.join(path, METADATA_FILE))
+    for name in sorted(names - {METADATA_FILE}):
+        storage.delete(posixpath.join(path, name))
+
+
+def _clear_uncommitted(storage: Storage, path: str, had_saves: bool) -> None:
+    """Object stores: the data files a crashed save left in the final prefix (it has no metadata)."""
+    entries = storage.list_dir(path)
+    if not had_saves or any(not _DATA_FILE.match(e) for e in entries):
+        return  # not (only) a crashed save's files: check_target refuses it, naming what it is
+    for e in entries:
+        storage.delete(posixpath.join(path, e))
+
+
+def begin_save(storage: Storage, path: str, overwrite: bool, save_id: str,
+               lock: SaveLock | None = None) -> str:
+    """Check the target, clear what crashed saves to it left, and return where ranks write.
+
+    ``lock`` is the caller's save lock on ``path``; without one, one is taken here and held
+    until the process ends or ``save_lock.held_by_this_process(...).release()``."""
+    split_checkpoint_path(path)
+    own = lock is None
+    if lock is None:
+        lock = save_lock.acquire(storage, path, save_id)
+    try:
+        return _begin(storage, path, overwrite, save_id, lock)
+    except BaseException:
+        if own:
+            lock.release()
+        raise
+
+
+def prepare_target(storage: Storage, path: str, overwrite: bool, lock: SaveLock) -> bool:
+    """Under the save lock: finish or undo what saves that are over left, then check the target
+    (see :func:`check_target`); return whether a committed checkpoint is there to replace."""
+    marker = storage.commit_mode is CommitMode.MARKER
+    dead = _dead_entries(storage, path, lock)
+    if not marker:
+        _restore_replaced(storage, path)
+    elif checkpoint_files(storage, path) is None:
+        _clear_uncommitted(storage, path, had_saves=bool(dead))
+    committed = check_target(storage, path, overwrite)
+    for leftover in dead:
+        storage.delete(leftover)  # left by a save that is over (crashed, or a dead lease)
+    return committed
+
+
+def _begin(storage: Storage, path: str, overwrite: bool, save_id: str, lock: SaveLock) -> str:
+    marker = storage.commit_mode is CommitMode.MARKER
+    committed = prepare_target(storage, path, overwrite, lock)
+    names = checkpoint_files(storage, path) if committed and marker else None
+    if not marker:
+        staging = staging_path(path, save_id)
+        storage.makedirs(staging)
+        return staging
+    lock.ensure_record()  # says "a save is under way" until it commits or is cleaned up
+    if committed:
+        _uncommit(storage, path, names or set())
+    storage.makedirs(path)
+    return path
+
+
+def abandon(storage: Storage, staging: str, path: str, save_id: str) -> None:
+    """Remove what a failed, uncommitted save wrote; a committed checkpoint is left alone."""
+    if storage.commit_mode is CommitMode.MARKER:
+        if not storage.exists(posixpath.join(staging, METADATA_FILE)):
+            storage.delete(staging)
+        return
+    storage.delete(staging)
+
+
+def _wait_for_readers(storage: Storage, path: str) -> None:
+    """Give loads of the checkpoint about to be replaced a moment to finish (a load that is
+    still running then fails with CheckpointReplacedError, never with mixed data)."""
+    if storage.scheme not in LEASED_SCHEMES:
+        return
+    deadline = time.monotonic() + _seconds(WAIT_READERS_ENV, DEFAULT_WAIT_READERS_S)
+    while is_being_read(storage, path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id: str) -> None:
+    """Make ``staging`` visible as ``final`` (atomic rename; old copy moved aside first, and put
+    back if the rename fails). On object stores the metadata the caller wrote into ``final``
+    already committed it."""
+    if storage.commit_mode is CommitMode.MARKER:
+        return
+    parent, name = split_checkpoint_path(final)
+    replaced = None
+    if storage.exists(final) or _is_link(storage, final):
+        check_target(storage, final, overwrite)  # still nothing but a checkpoint of ours
+        _wait_for_readers(storage, final)
+        replaced = posixpath.join(parent, f".{name}{REPLACED_TAG}{save_id}")
+        storage.rename(final, replaced)
+    try:
+        storage.rename(staging, final)
+    except BaseException:
+        if replaced is not None:
+            try:
+                storage.rename(replaced, final)
+            except Exception as exc:  # the next save or load puts it back (_restore_replaced)
+                log.warning("could not put %s back after a failed commit: %s", storage.url(final), exc)
+        raise
+    if replaced is not None:
+        storage.delete(replaced)
+
+
+# -- the latest pointer ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Latest:
+    name: str
+    step: int | None
+
+
+def read_latest(storage: Storage, root: str) -> Latest | None:
+    """The ``latest`` pointer of ``root``, checked: it names a plain entry of ``root`` (never a
+    path out of it) and an integer step; anything else is a CorruptCheckpointError."""
+    pointer = posixpath.join(root, LATEST_FILE)
+    where = storage.url(pointer)
+    try:
+        size = storage.size(pointer)
+        if size > MAX_LATEST_BYTES:
+            raise CorruptCheckpointError(
+                f"{where} is {size} bytes, not a latest pointer (a few dozen bytes of JSON); remove "
+                "it, or load a checkpoint by its path")
+        raw = bytes(storage.read(pointer))
+    except FileNotFoundError:
+        return None
+    except (IsADirectoryError, NotADirectoryError) as exc:
+        raise CorruptCheckpointError(f"{where} is not a file ({exc}); remove it, or load a checkpoint "
+                                     "by its path") from exc
+    except OSError as exc:
+        if type(exc).__name__ != "NotARegularFileError":
+            raise
+        raise CorruptCheckpointError(f"{where}: {exc}") from exc
+    try:
+        doc = json.loads(raw.decode())
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        name = check_file_name(doc.get("checkpoint"), where)
+        step = doc.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"its step {step!r} is not a whole number >= 0")
+    except (ValueError, UnicodeDecodeError, UnsafeCheckpointError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: unreadable latest pointer ({exc}); the next save replaces it, or load a "
+            "checkpoint by its path") from exc
+    return Latest(name, step)
+
+
+def update_latest(storage: Storage, final: str, step: int | None, save_id: str) -> bool:
+    """Point ``<parent>/latest`` at ``final`` unless it already names a later step (of a
+    checkpoint that exists). An unreadable pointer is replaced."""
+    parent, name = split_checkpoint_path(final)
+    with save_lock.pointer_lock(storage, parent):
+        try:
+            current = read_latest(storage, parent)
+        except CorruptCheckpointError as exc:
+            log.warning("replacing an unreadable latest pointer: %s", exc)
+            current = None
+        if (current is not None and step is not None and current.step is not None and current.step > step
+                and storage.exists(posixpath.join(parent, current.name, METADATA_FILE))):
+            return False
+        doc = json.dumps({"checkpoint": name, "step": step, "time": time.time()}).encode()
+        if storage.commit_mode is CommitMode.MARKER:
+            storage.write_bytes(posixpath.join(parent, LATEST_FILE), doc)  # one PUT: atomic
+            return True
+        tmp = posixpath.join(parent, f".{LATEST_FILE}.tmp-{save_id}")
+        storage.write_bytes(tmp, doc)
+        storage.rename(tmp, posixpath.join(parent, LATEST_FILE), overwrite=True)
+        return True

@@ -1,0 +1,354 @@
+"""One save at a time per checkpoint path: who holds a path, and whether that holder still lives.
+
+A save's coordinator holds the lock on its target path from ``begin_save`` to the end of the
+commit (or of the clean-up of a failed save). While it is held, no other save can start on
+that path, move its committed checkpoint aside or delete its staging directory, so a live save
+is never destroyed by another one; the loser of a race gets :class:`ConcurrentSaveError`.
+
+- Local disk (``file://``, ``shm://``): ``flock`` on ``<parent>/.<name>.lock``. The kernel drops
+  the lock when its process dies, so liveness needs no clock and no heartbeat. The file says
+  who took it (host, pid, save id, start time), for the message another saver gets.
+- In one process (every backend, and all ``mem://`` has): a registry of the paths held.
+- Other storage (object stores, HDFS): a lease record per save, ``.<name>.staging-<id>.owner``
+  (JSON: host, pid, the pid's start time, heartbeat), renewed by a heartbeat thread. A record is
+  live while its process runs (same host: pid and start time checked) or, seen from another
+  host, while its heartbeat is younger than ``BCP_SAVE_LEASE_S`` (default 300 s). A saver
+  writes its record, then lists the others: if any other is live it withdraws (so of two
+  savers that start together at least one withdraws, never neither).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import posixpath
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import ConcurrentSaveError
+from .storage import CommitMode, Storage
+from .storage.local import LocalStorage
+from .storage.wrapper import StorageWrapper
+
+STAGING_TAG = ".staging-"
+OWNER_SUFFIX = ".owner"
+LOCK_SUFFIX = ".lock"
+LEASE_ENV = "BCP_SAVE_LEASE_S"
+HEARTBEAT_ENV = "BCP_SAVE_HEARTBEAT_S"
+DEFAULT_LEASE_S = 300.0
+DEFAULT_HEARTBEAT_S = 30.0
+_MAX_RECORD = 64 << 10
+
+log = logging.getLogger(__name__)
+
+_HELD: dict[str, SaveLock] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def local_os_path(storage: Storage, path: str) -> str | None:
+    """The operating-system path of ``path`` when ``storage`` is a local disk, else None."""
+    inner = storage
+    while isinstance(inner, StorageWrapper):
+        inner = inner.inner
+    if isinstance(inner, LocalStorage):
+        return inner._os_path(path)
+    return None
+
+
+def _split(path: str) -> tuple[str, str]:
+    return posixpath.split(path.rstrip("/"))
+
+
+def owner_record_path(path: str, save_id: str) -> str:
+    parent, name = _split(path)
+    return posixpath.join(parent, f".{name}{STAGING_TAG}{save_id}{OWNER_SUFFIX}")
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of ``pid`` (clock ticks since boot), which tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_doc(save_id: str) -> dict[str, Any]:
+    now = time.time()
+    return {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(),
+            "pid_start": _process_start(os.getpid()), "started": now, "heartbeat": now}
+
+
+def describe(doc: dict[str, Any] | None) -> str:
+    """``save 1a2b by pid 42 on host-a, started 12 s ago`` (what is known of it)."""
+    if not doc:
+        return "owner unknown"
+    parts = []
+    if doc.get("save_id"):
+        parts.append(f"save {doc['save_id']}")
+    if doc.get("pid") is not None:
+        parts.append(f"by pid {doc['pid']} on {doc.get('host', '?')}")
+    started = doc.get("started")
+    if isinstance(started, (int, float)):
+        parts.append(f"started {max(0.0, time.time() - started):.0f} s ago")
+    return ", ".join(parts) or "owner unknown"
+
+
+def record_alive(doc: dict[str, Any] | None, now: float | None = None) -> bool:
+    """Whether the save that wrote the owner record ``doc`` may still be running."""
+    if not isinstance(doc, dict):
+        return True  # unreadable: the message names the file, so a person can remove it
+    now = time.time() if now is None else now
+    pid = doc.get("pid")
+    if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not isinstance(pid, bool):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # alive, another user's
+        start = doc.get("pid_start")
+        return start is None or _process_start(pid) in (None, start)
+    beat = doc.get("heartbeat", doc.get("started"))
+    if not isinstance(beat, (int, float)) or isinstance(beat, bool):
+        return True
+    return now - float(beat) < _env_seconds(LEASE_ENV, DEFAULT_LEASE_S)
+
+
+def read_record(storage: Storage, full: str) -> dict[str, Any] | None:
+    """An owner record, or None when it cannot be read as one (raises FileNotFoundError)."""
+    try:
+        if storage.size(full) > _MAX_RECORD:
+            return None
+        doc = json.loads(bytes(storage.read(full)).decode())
+    except (ValueError, UnicodeDecodeError, IsADirectoryError, EOFError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class SaveLock:
+    """The right to change a checkpoint path; ``release()`` gives it up (idempotent)."""
+
+    def __init__(self, storage: Storage, path: str, save_id: str, key: str) -> None:
+        self.storage, self.path, self.save_id, self._key = storage, path, save_id, key
+        self.owner = _owner_doc(save_id)
+        self._fd: int | None = None
+        self._lock_file: str | None = None
+        self._record: str | None = None
+        # Local disk: what the lock file said when we took it. Its holder unlinks it when done,
+        # so a record left in it is that of a save whose process died holding the lock.
+        self.previous: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.released = False
+
+    # -- local: flock -------------------------------------------------------------------------
+    def _take_flock(self, lock_file: str) -> None:
+        os.makedirs(os.path.dirname(lock_file) or ".", exist_ok=True)
+        while True:
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                held = exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+                doc = _read_fd(fd) if held else None
+                os.close(fd)
+                if held:
+                    raise _busy(self.storage, self.path, doc, None) from None
+                raise
+            # Its last holder may have unlinked the file between our open and our lock.
+            try:
+                same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self.previous = _read_fd(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(self.owner).encode(), 0)
+        self._fd, self._lock_file = fd, lock_file
+
+    # -- elsewhere: a lease record with a heartbeat ----------------------------------------------
+    def _take_lease(self) -> None:
+        storage, record = self.storage, owner_record_path(self.path, self.save_id)
+        storage.write_bytes(record, json.dumps(self.owner).encode())
+        self._record = record
+        for other, doc in other_records(storage, self.path, exclude=self.save_id):
+            if record_alive(doc):
+                self._drop_record()
+                raise _busy(storage, self.path, doc, other)
+        interval = _env_seconds(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)
+        self._thread = threading.Thread(target=self._beat, args=(interval,), daemon=True,
+                                         name=f"bcp-save-lease-{self.save_id}")
+        self._thread.start()
+
+    def _beat(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.owner["heartbeat"] = time.time()
+            try:
+                self.storage.write_bytes(self._record, json.dumps(self.owner).encode())
+            except Exception as exc:  # the lease is generous; the next beat tries again
+                log.warning("could not renew save lease %s: %s", self._record, exc)
+
+    def ensure_record(self) -> None:
+        """Write this save's owner record where the lock itself keeps none (local disk): on an
+        object store it is what says "a save is under way, nothing here is committed yet"."""
+        if self._record is None:
+            record = owner_record_path(self.path, self.save_id)
+            self.storage.write_bytes(record, json.dumps(self.owner).encode())
+            self._record = record
+
+    def _drop_record(self) -> None:
+        if self._record is not None:
+            with contextlib.suppress(Exception):
+                self.storage.delete(self._record)
+            self._record = None
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._drop_record()
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._lock_file)  # unlinked while still locked: see _take_flock
+            os.close(self._fd)
+            self._fd = None
+        with _HELD_LOCK:
+            if _HELD.get(self._key) is self:
+                del _HELD[self._key]
+
+
+def _read_fd(fd: int) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(os.pread(fd, _MAX_RECORD, 0).decode() or "null")
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _busy(storage: Storage, path: str, doc: dict[str, Any] | None, record: str | None
+          ) -> ConcurrentSaveError:
+    hint = ""
+    if record is not None:
+        hint = (f" If you are sure no such save runs, delete {storage.url(record)}; a dead one's "
+                f"lease also lapses {_env_seconds(LEASE_ENV, DEFAULT_LEASE_S):.0f} s after its "
+                "last heartbeat (BCP_SAVE_LEASE_S).")
+    return ConcurrentSaveError(
+        f"another save to {storage.url(path)} is in progress ({describe(doc)}); wait for it to "
+        "finish, or save to another path. Nothing of that save was touched." + hint
+    )
+
+
+def other_records(storage: Storage, path: str, exclude: str = "") -> list[tuple[str, dict | None]]:
+    """The owner records of other saves to ``path`` (lease-based storage), with their contents."""
+    parent, name = _split(path)
+    prefix = f".{name}{STAGING_TAG}"
+    out = []
+    for entry in storage.list_dir(parent):
+        if not (entry.startswith(prefix) and entry.endswith(OWNER_SUFFIX)):
+            continue
+        if entry[len(prefix):-len(OWNER_SUFFIX)] == exclude:
+            continue
+        full = posixpath.join(parent, entry)
+        try:
+            out.append((full, read_record(storage, full)))
+        except FileNotFoundError:
+            continue  # released while we listed
+    return out
+
+
+def uses_leases(storage: Storage) -> bool:
+    return local_os_path(storage, "") is None and storage.scheme != "mem"
+
+
+def _key(storage: Storage, path: str) -> str:
+    local = local_os_path(storage, path)
+    return os.path.realpath(local) if local is not None else storage.url(path.rstrip("/"))
+
+
+def acquire(storage: Storage, path: str, save_id: str) -> SaveLock:
+    """Take the save lock on ``path`` or raise :class:`ConcurrentSaveError` naming its holder."""
+    key = _key(storage, path)
+    lock = SaveLock(storage, path, save_id, key)
+    with _HELD_LOCK:
+        holder = _HELD.get(key)
+        if holder is not None:
+            raise _busy(storage, path, holder.owner, None)
+        _HELD[key] = lock  # reserved: a second thread of this process fails fast
+    try:
+        local = local_os_path(storage, path)
+        if local is not None:
+            parent, name = os.path.split(local.rstrip(os.sep))
+            lock._take_flock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
+        elif uses_leases(storage):
+            lock._take_lease()
+    except BaseException:
+        with _HELD_LOCK:
+            _HELD.pop(key, None)
+        raise
+    return lock
+
+
+def try_acquire(storage: Storage, path: str, save_id: str) -> SaveLock | None:
+    """The lock if it is free now, else None (for a reader that repairs a crashed commit)."""
+    try:
+        return acquire(storage, path, save_id)
+    except (ConcurrentSaveError, OSError):
+        return None
+
+
+def held_by_this_process(storage: Storage, path: str) -> SaveLock | None:
+    with _HELD_LOCK:
+        return _HELD.get(_key(storage, path))
+
+
+@contextlib.contextmanager
+def pointer_lock(storage: Storage, root: str, timeout_s: float = 30.0) -> Iterator[None]:
+    """Serialise read-compare-replace of ``<root>/latest`` between savers on local disk (saves
+    to different paths of one root), so an older step never replaces a newer one. Elsewhere
+    the pointer is replaced by one atomic write without this lock."""
+    local = local_os_path(storage, root)
+    if local is None or storage.commit_mode is CommitMode.MARKER:
+        yield
+        return
+    import fcntl
+
+    # The root directory itself is the lock (flock works on a directory): no file is left.
+    fd = os.open(local or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise ConcurrentSaveError(
+                        f"{storage.url(root)}/latest stayed locked by another save for {timeout_s:.0f} s;"
+                        " the checkpoint is committed, but latest was not moved: load it by its path"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
