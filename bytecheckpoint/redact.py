@@ -24,5 +24,8 @@ _QUERY = re.compile(
 def redact(text: str) -> str:
     """``text`` with the password of every ``scheme://user:password@`` and the value of every
     secret-looking query parameter replaced by ``***``."""
-    text = _USERINFO.sub(lambda m: f"{m['head']}:{MASK}@", str(text))
+    text = str(text)
+    if "@" not in text and "=" not in text:
+        return text  # nothing to mask: the common case, kept cheap for per-operation events
+    text = _USERINFO.sub(lambda m: f"{m['head']}:{MASK}@", text)
     return _QUERY.sub(lambda m: f"{m['head']}{MASK}", text)

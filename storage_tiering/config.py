@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from bytecheckpoint.redact import redact
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -36,7 +38,11 @@ _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*$")
 
 
 class ConfigError(ValueError):
-    """A setting is missing or malformed; the message names the setting and where it came from."""
+    """A setting is missing or malformed; the message names the setting and where it came from
+    (with any password in a quoted URL masked: tier URLs may carry credentials)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from bytecheckpoint.redact import redact
 from bytecheckpoint.storage import open_storage
 from telemetry import context, get_context, span
 
@@ -110,8 +111,8 @@ def _run(config: TieringConfig, dry_run: bool, now: float | None, on_step: Hook 
                     delete_checkpoint(d.checkpoint, config.hot, config.cold, journal)
                     report.deleted.append(d.checkpoint.path)
             except Exception as exc:  # one checkpoint's failure must not stop the pass
-                log.error("tiering: %s of %s failed: %s", d.action, d.checkpoint.path, exc)
-                report.failed[d.checkpoint.path] = f"{type(exc).__name__}: {exc}"
+                log.error("tiering: %s of %s failed: %s", d.action, d.checkpoint.path, redact(str(exc)))
+                report.failed[d.checkpoint.path] = redact(f"{type(exc).__name__}: {exc}")
         report.hot_bytes_after = hot_bytes(config.hot)
         report.orphans = orphans(config.hot, config.cold, frozenset({JOURNAL_FILE, LOCK_FILE}))
         if report.orphans:
@@ -149,8 +150,9 @@ def _run_hdfs(config: TieringConfig, dry_run: bool, now: float, on_step: Hook | 
                     storage.delete(d.checkpoint.path)
                 report.deleted.append(storage.url(d.checkpoint.path))
         except Exception as exc:
-            log.error("tiering: %s of %s failed: %s", d.action, d.checkpoint.path, exc)
-            report.failed[storage.url(d.checkpoint.path)] = f"{type(exc).__name__}: {exc}"
+            url = redact(storage.url(d.checkpoint.path))
+            log.error("tiering: %s of %s failed: %s", d.action, url, redact(str(exc)))
+            report.failed[url] = redact(f"{type(exc).__name__}: {exc}")
     return report
 
 
@@ -166,7 +168,7 @@ def run_loop(config: TieringConfig, *, iterations: int | None = None) -> None:
         except ServiceBusy as exc:
             log.warning("%s", exc)
         except (OSError, ConfigError) as exc:  # a tier unmounted for a while: try again next time
-            log.error("tiering pass failed: %s", exc)
+            log.error("tiering pass failed: %s", redact(str(exc)))
         done += 1
         if iterations is None or done < iterations:
             time.sleep(max(0.0, config.interval - (time.monotonic() - started)))

@@ -80,8 +80,9 @@ class ManagedStorage(StorageWrapper):
             log.warning("%s", redact(f"storage: {op} {self.url(path)} failed (attempt {attempt} of "
                                      f"{self.policy.attempts}: {type(exc).__name__}: {exc}); "
                                      f"retrying in {delay:.2f}s"))
-            with span("storage.retry", op=op, backend=self.scheme, path=self.url(path), attempt=attempt,
-                      delay_s=round(delay, 4), error=f"{type(exc).__name__}: {exc}"[:300]):
+            with span("storage.retry", op=op, backend=self.scheme, path=redact(self.url(path)),
+                      attempt=attempt, delay_s=round(delay, 4),
+                      error=redact(f"{type(exc).__name__}: {exc}")[:300]):
                 pass
 
         try:
@@ -97,7 +98,7 @@ class ManagedStorage(StorageWrapper):
 
     def _call(self, op: str, path: str, fn: Callable[[], T], nbytes: int | None = None,
               extra: dict[str, object] | None = None) -> T:
-        fields: dict[str, object] = {"op": op, "backend": self.scheme, "path": self.url(path)}
+        fields: dict[str, object] = {"op": op, "backend": self.scheme, "path": redact(self.url(path))}
         fields.update(extra or {})
         if nbytes is not None:
             fields["bytes"] = nbytes
