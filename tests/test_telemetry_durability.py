@@ -167,3 +167,37 @@ def test_ingester_deletes_what_it_stored_and_keeps_live_segments(chdb_dsn, tmp_p
     finally:
         client.close()
     assert counts["distinct_ids"] == counts["final_rows"] == 305
+
+
+def test_fsync_policy_is_a_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    reset_context()
+    with pytest.raises(ValueError, match="interval, always, never"):
+        telemetry.configure(fsync="sometimes")
+    monkeypatch.setenv("BCP_TELEMETRY_FSYNC", "always")
+    monkeypatch.setenv("BCP_TELEMETRY_DIR", str(tmp_path))
+    config.reset()
+    try:
+        with telemetry.span("synced"):
+            pass
+        assert config.settings.fsync == "always"
+        assert [e["name"] for e in read_spool(tmp_path)] == ["synced"]  # on disk before any flush
+        monkeypatch.setenv("BCP_TELEMETRY_FSYNC", "bogus")  # a typo must not take the job down
+        config.reset()
+        with telemetry.span("default"):
+            pass
+        assert config.settings.fsync == "interval"
+    finally:
+        config.reset()
+
+
+def test_empty_and_torn_sealed_segments_do_not_linger(chdb_dsn, tmp_path: Path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    empty, torn = spool / "events-elsewhere-1-00000.jsonl", spool / "events-elsewhere-1-00001.jsonl"
+    empty.write_bytes(b"")
+    torn.write_bytes(b'{"event_id": "half')
+    for path in (empty, torn):
+        path.chmod(0o444)
+    proc = run_ingester("--spool", str(spool), "--dsn", chdb_dsn, "--once", "--idle-s", "0.5", check=False)
+    assert proc.returncode == 3 and "quarantined 1 records" in proc.stdout, proc.stderr
+    assert not list(spool.glob("*.jsonl"))

@@ -87,7 +87,10 @@ class SpoolSource:
                 rejects.append(Reject.of(data, f"line of {newline - start} bytes is over the "
                                          f"{self.max_line_bytes}-byte limit", where, newline - start))
                 return newline + 1
-        if data and is_sealed(path):
+        if not data:
+            # Read to its end (even an empty file): recorded, so commit() can prune it once sealed.
+            return start
+        if is_sealed(path):
             size = path.stat().st_size if path.exists() else start + len(data)
             rejects.append(Reject.of(data, "incomplete last line of a finished segment (a torn write)",
                                      where, size - start))
