@@ -183,3 +183,9 @@ def test_gc_json_and_ls_survive_every_hostile_entry_at_once(tmp_path, root):
     deleted = [c["path"] for c in json.loads(proc.stdout)["checkpoints"] if c["deleted"]]
     assert deleted == [str(hot / "run" / "step_1")]
     assert (hot / "junk" / "step_3").is_dir() and (hot / "alias").is_symlink()
+
+
+def test_a_tier_url_with_a_password_is_masked(capsys, tmp_path):
+    code = cli.main(["tier", "--once", "--hot", "s3://bob:hunter2@bucket/ckpt", "--cold", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "hunter2" not in err and "s3://bob:***@bucket" in err
