@@ -25,15 +25,6 @@ ALERT_COLUMNS = (
 )
 
 
-def valid(event: Any) -> bool:
-    """Whether ``event`` can be stored as it is (see ``telemetry.store.validate``)."""
-    try:
-        clean_event(event)
-    except BadRecord:
-        return False
-    return True
-
-
 def event_rows(events: Iterable[dict[str, Any]], columns: tuple[str, ...] = EVENT_COLUMNS) -> list[list[Any]]:
     """Rows of already cleaned events (``clean_event``) in ``columns`` order."""
     return [[e[c] for c in columns] for e in events]
