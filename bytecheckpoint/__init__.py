@@ -14,13 +14,18 @@ from .engine.save import SaveResult  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CheckpointExistsError,
+    CheckpointReplacedError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     DtypeMismatchError,
+    InvalidArgumentError,
     MissingKeysError,
     NotACheckpointError,
     RankFailedError,
     ShapeMismatchError,
     StateMismatchError,
+    StorageError,
+    StorageIOError,
     UnsafeCheckpointError,
 )
 from .extra import RNGState  # noqa: E402
@@ -33,5 +38,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",
-    "UnsafeCheckpointError",
+    "UnsafeCheckpointError", "CheckpointReplacedError", "ConcurrentSaveError", "InvalidArgumentError",
+    "StorageError", "StorageIOError",
 ]

@@ -30,7 +30,7 @@ from .commit import (  # noqa: F401  (re-exported)
     stale_staging_dirs,
     update_latest,
 )
-from .errors import CorruptCheckpointError, NotACheckpointError
+from .errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError
 from .file_headers import Entry, expected_entries, header_problem
 from .metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
 from .storage import Storage, open_storage
@@ -174,6 +174,8 @@ def file_problem(storage: Storage, path: str, meta: CheckpointMetadata, name: st
         size = storage.size(full)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return f"{storage.url(full)}: storage file is missing from the checkpoint"
+    except NotARegularFileError:  # a FIFO or device in its place: never opened, so never a hang
+        return f"{storage.url(full)}: is not a regular file (a FIFO, socket or device took its place)"
     if size != f.size:
         return (f"{storage.url(full)}: storage file is {size} bytes but the metadata records "
                 f"{f.size} (truncated or overwritten)")

@@ -69,6 +69,17 @@ SETTINGS: tuple[Setting, ...] = (
             "directory behind shm:// URLs"),
     Setting("BCP_METADATA_MAX_BYTES", "bytecheckpoint/integrity.py", "1073741824",
             "the largest metadata file a reader accepts (a larger one is refused as damaged)"),
+    Setting("BCP_SAVE_LEASE_S", "bytecheckpoint/save_lock.py", "300",
+            "on storage without file locks, a save's owner record counts as dead this long after "
+            "its last heartbeat (then another save to the path may clean its staging)"),
+    Setting("BCP_SAVE_HEARTBEAT_S", "bytecheckpoint/save_lock.py", "30",
+            "how often a save renews its owner record on storage without file locks"),
+    Setting("BCP_SAVE_STAGING_GRACE_S", "bytecheckpoint/commit.py", "60",
+            "a staging directory with no owner is left alone this long before it counts as stale"),
+    Setting("BCP_OVERWRITE_WAIT_S", "bytecheckpoint/commit.py", "5",
+            "how long an overwrite=True save waits for active read leases on the old checkpoint"),
+    Setting("BCP_DEBUG", "bytecheckpoint/cli.py", "",
+            "1: bcp prints the full traceback of an unexpected error (as --debug does)"),
     Setting("BCP_LEASE_TTL_S", "bytecheckpoint/leases.py", "21600",
             "how long a read lease protects a checkpoint from tiering and gc"),
     # -- telemetry (training processes) ----------------------------------------------------------

@@ -94,7 +94,7 @@ def test_async_save_failure_reaches_every_rank_and_commits_nothing(world, tmp_pa
     for rank, r in enumerate(results):
         assert r["done"] and r["error"] is not None
         assert "No space left on device" in r["error"][1] or "rank 1" in r["error"][1], r
-        assert r["wait_raises"] == ("OSError" if rank == 1 else "RankFailedError"), r
+        assert r["wait_raises"] == ("StorageIOError" if rank == 1 else "RankFailedError"), r
         assert r["after"] > 0
     assert not (tmp_path / "bad").exists()
     assert resolve(str(tmp_path))[1].endswith("after")
