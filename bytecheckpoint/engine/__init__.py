@@ -1,0 +1,1 @@
+"""The save and load pipelines: planning protocol, staging, writers, read plans, exchange."""
