@@ -9,11 +9,14 @@ The registry (``bytecheckpoint/settings.py``) is itself checked against the sour
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
+from types import ModuleType
 
 import pytest
 import yaml
@@ -139,7 +142,32 @@ def test_every_setting_in_the_source_is_registered():
     assert not missing, f"read in the source but not in bytecheckpoint/settings.py: {sorted(missing)}"
 
 
-def test_readme_documents_every_setting():
-    readme = _source("README.md")
-    missing = [s.name for s in SETTINGS if f"`{s.name}`" not in readme]
-    assert not missing, missing
+def _docs_settings_hook() -> ModuleType:
+    """``docs/hooks/settings_table.py``: the MkDocs hook that renders the settings reference."""
+    path = os.path.join(REPO, "docs", "hooks", "settings_table.py")
+    spec = importlib.util.spec_from_file_location("bcp_docs_settings_hook", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_docs_settings_reference_renders_every_setting_from_the_registry():
+    with open(os.path.join(REPO, "mkdocs.yml")) as f:
+        site = yaml.safe_load(f)
+    assert "docs/hooks/settings_table.py" in site["hooks"]
+    assert "operations.md" in json.dumps(site["nav"])
+    hook = _docs_settings_hook()
+    page = _source("docs/operations.md")
+    assert hook.MARKER in page, "docs/operations.md lost the marker the settings table replaces"
+    rows: dict[str, list[str]] = {}
+    for line in hook.on_page_markdown(page).splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip().replace("`", "").replace("\\|", "|")
+                     for c in re.split(r"(?<!\\)\|", line.strip("|"))]
+            assert cells[0] not in rows, f"{cells[0]} is listed twice"
+            rows[cells[0]] = cells
+    assert set(rows) == NAMES, sorted(set(rows) ^ NAMES)
+    for s in SETTINGS:
+        _, read_by, default, meaning = rows[s.name]
+        assert (read_by, default, meaning) == (s.read_by, s.default or "—", s.meaning), s.name
