@@ -22,7 +22,12 @@ from .dtypes import safetensors_code
 from .metadata import CheckpointMetadata
 from .storage import Storage
 
-Entry = tuple[int, int, str, tuple[int, ...]]  # absolute start, end, dtype code, shape
+# absolute start, end, dtype code, shape, entry name. The name matters to the tools that read
+# the file by it: two same-shaped entries with swapped names hand them each other's numbers. A
+# box is "<key>@<offsets>"; an object is "__object__/<scope>:<key>", its scope set by how the
+# file was shared, so only the prefix and key are checked (``_OBJECT`` marks that).
+Entry = tuple[int, int, str, tuple[int, ...], str]
+_OBJECT = "__object__/"
 
 
 def expected_entries(meta: CheckpointMetadata, names: set[str]) -> dict[str, list[Entry]]:
@@ -38,12 +43,15 @@ def expected_entries(meta: CheckpointMetadata, names: set[str]) -> dict[str, lis
     for r in rows:
         t, s = int(b.tensor[r]), int(b.dim_start[r])
         start = int(b.byte_offset[r])
+        offsets = b.offsets[s : s + ndims[t]].tolist()
         out[meta.files[int(b.file[r])].name].append(
-            (start, start + int(b.byte_length[r]), codes[t], tuple(b.lengths[s : s + ndims[t]].tolist())))
+            (start, start + int(b.byte_length[r]), codes[t], tuple(b.lengths[s : s + ndims[t]].tolist()),
+             f"{meta.tensors[t].key}@{','.join(map(str, offsets))}"))
     for o in meta.objects:
         if o.bytes.file in names:
             start = o.bytes.byte_offset
-            out[o.bytes.file].append((start, start + o.bytes.byte_length, "U8", (o.bytes.byte_length,)))
+            out[o.bytes.file].append((start, start + o.bytes.byte_length, "U8", (o.bytes.byte_length,),
+                                      f"{_OBJECT}*:{o.key}"))
     return out
 
 
@@ -64,13 +72,28 @@ def header_problem(storage: Storage, path: str, name: str, size: int, expected: 
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         return f"{url}: unreadable safetensors header ({exc})"
     want = sorted(expected)
-    if got == want:
-        return None
     if len(got) != len(want):
         return f"{url}: its safetensors header lists {len(got)} entries, the metadata {len(want)}"
-    g, w = next((g, w) for g, w in zip(got, want) if g != w)
-    return (f"{url}: its safetensors header says bytes {g[0]}..{g[1]} hold {g[2]} {list(g[3])}, the "
-            f"metadata {w[2]} {list(w[3])} at {w[0]}..{w[1]} (the header was altered)")
+    for g, w in zip(got, want):
+        if g[:4] != w[:4]:
+            return (f"{url}: its safetensors header says bytes {g[0]}..{g[1]} hold {g[2]} {list(g[3])}, the "
+                    f"metadata {w[2]} {list(w[3])} at {w[0]}..{w[1]} (the header was altered)")
+    names = defaultdict(list)  # entries alike but for the name (empty ones) may come in any order
+    for w in want:
+        names[w[:4]].append(w[4])
+    for g in got:
+        match = next((i for i, n in enumerate(names[g[:4]]) if _same_name(g[4], n)), None)
+        if match is None:
+            return (f"{url}: its safetensors header names bytes {g[0]}..{g[1]} {g[4]!r}, the metadata "
+                    f"{names[g[:4]][0]!r} (the header was altered)")
+        names[g[:4]].pop(match)
+    return None
+
+
+def _same_name(got: str, want: str) -> bool:
+    if want.startswith(_OBJECT + "*:"):
+        return got.startswith(_OBJECT) and got.endswith(want[len(_OBJECT) + 1:])
+    return got == want
 
 
 def _entries(header: Any, data_start: int) -> list[Entry]:
@@ -84,5 +107,5 @@ def _entries(header: Any, data_start: int) -> list[Entry]:
         if type(dtype) is not str or type(shape) is not list or not all(type(d) is int for d in shape) \
                 or type(start) is not int or type(end) is not int:
             raise TypeError(f"entry {key!r} is malformed")
-        out.append((data_start + start, data_start + end, dtype, tuple(shape)))
+        out.append((data_start + start, data_start + end, dtype, tuple(shape), key))
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 
-from tests.fuzz import cli, session
+from tests.fuzz import cli, corpus, session
 from tests.fuzz.strategies import argvs, fuzz_settings
 
 pytestmark = pytest.mark.fuzz
@@ -34,4 +34,9 @@ def test_bcp_argument_vectors_exit_with_a_documented_code_and_no_traceback(argv)
 ])
 def test_known_hostile_command_lines(argv):
     case = ["cli", argv]
+    session.check(session.guard().case(case), case)
+
+
+@pytest.mark.parametrize("name,case", corpus.load("cli"), ids=lambda v: v if isinstance(v, str) else "")
+def test_corpus(name, case):
     session.check(session.guard().case(case), case)

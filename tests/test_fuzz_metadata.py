@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bytecheckpoint.metadata import METADATA_FILE
-from tests.fuzz import session
+from tests.fuzz import corpus, session
 from tests.fuzz.cases import run
 from tests.fuzz.mutate import apply_bytes
 from tests.fuzz.outcomes import NAMED
@@ -65,4 +65,11 @@ def test_verify_reports_every_storage_file_edit_that_changes_what_it_says(data):
     # must be reported like a payload edit.
     lo, hi = data.draw(st.sampled_from(((0, header_end), (header_end, len(data_bytes)))))
     case = ["verify_ops", name, data.draw(byte_ops(len(data_bytes), lo, hi))]
+    session.check(run(case, _CTX()), case)
+
+
+@pytest.mark.parametrize("name,case", corpus.load("metadata", "doc", "storage", "verify"),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_corpus(name, case):
+    """The seeded corpus and the named reproducers of issue 17 (tests/fuzz/corpus.py)."""
     session.check(run(case, _CTX()), case)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fuzz import objects, session
+from tests.fuzz import corpus, objects, session
 from tests.fuzz.outcomes import NAMED, OK
 from tests.fuzz.strategies import byte_ops, fuzz_settings, object_values
 
@@ -55,4 +55,9 @@ def test_deeply_nested_extension_types_are_refused_by_name_not_a_crash(depth):
 def test_a_hostile_object_inside_a_checkpoint_loads_exactly_or_is_refused(seed):
     """The blob replaces the extra state with matching checksums, so load reaches the decoder."""
     case = ["object_checkpoint", objects.random_blob(random.Random(seed))]
+    session.check(session.guard().case(case), case)
+
+
+@pytest.mark.parametrize("name,case", corpus.load("object"), ids=lambda v: v if isinstance(v, str) else "")
+def test_corpus(name, case):
     session.check(session.guard().case(case), case)

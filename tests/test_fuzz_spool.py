@@ -16,7 +16,7 @@ import subprocess
 import pytest
 from hypothesis import given
 
-from tests.fuzz import session, spool
+from tests.fuzz import corpus, session, spool
 from tests.fuzz.strategies import fuzz_settings, spool_lines
 
 pytestmark = pytest.mark.fuzz
@@ -56,3 +56,8 @@ def test_ingest_of_a_hostile_spool_ends_and_stores_every_good_event(tmp_path):
     # Every record is accounted for; the count says what was stored (ids may repeat: merged).
     assert ingested + quarantined == records
     assert len(good) <= ingested and len(stored) <= ingested
+
+
+@pytest.mark.parametrize("name,case", corpus.load("spool"), ids=lambda v: v if isinstance(v, str) else "")
+def test_corpus(name, case):
+    session.check(spool.spool_case(list(case[1])), case)

@@ -124,10 +124,15 @@ def _get(doc: Any, path: tuple) -> Any:
     return doc
 
 
+def clamp(fmt: str, value: int) -> int:
+    """``value`` brought into the range a column element of ``fmt`` can hold."""
+    lo, hi = _INT_LIMITS[fmt]
+    return min(max(int(value), lo), hi)
+
+
 def _column_edit(raw: bytes, fmt: str, index: int, value: int) -> bytes:
     size = struct.calcsize(fmt)
-    lo, hi = _INT_LIMITS[fmt]
-    value = min(max(int(value), lo), hi)
+    value = clamp(fmt, value)
     buf = bytearray(raw)
     buf[index * size:(index + 1) * size] = struct.pack(fmt, value)
     return bytes(buf)
@@ -197,7 +202,7 @@ def random_doc_ops(rng: random.Random, doc: dict) -> list[DocOp]:
                 old = struct.unpack_from(fmt, _get(doc, col), index * struct.calcsize(fmt))[0]
                 value = rng.choice((old + 1, old - 1, old ^ (1 << rng.randrange(63)), old * 2, old // 2,
                                     0, -1, 2**31, 2**62, -(2**62)))
-                ops.append(("elem", col, index, value))
+                ops.append(("elem", col, index, clamp(fmt, value)))
             elif r < 0.9:
                 ops.append(("swap", col, index, rng.randrange(1 << 16)))
             else:

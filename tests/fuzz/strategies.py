@@ -78,7 +78,7 @@ def doc_ops(draw: Any, doc: dict) -> list:
             if kind == "elem":
                 value = draw(st.sampled_from((old + 1, old - 1, old * 2, old // 2, 0, -1, 2**31, 2**62))
                              | st.builds(lambda b, o=old: o ^ (1 << b), st.integers(0, 62)))
-                ops.append(("elem", col, index, value))
+                ops.append(("elem", col, index, mutate.clamp(fmt, value)))
             elif kind == "swap":
                 ops.append(("swap", col, index, draw(st.integers(0, 1 << 16))))
             else:
