@@ -62,8 +62,11 @@ def _control_group(group: Any) -> Any:
         return group
     key = group if group is not None else "default"
     if key not in _GLOO_GROUPS:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        # Only the members create it (a load on a subgroup is called by its members alone),
+        # under a name made from its ranks: subgroups that pipeline stages create on their
+        # own cannot collide, as they do under the default name (a global counter).
+        _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
     return _GLOO_GROUPS[key]
 
 

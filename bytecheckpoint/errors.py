@@ -56,6 +56,11 @@ class UnsupportedStateError(CheckpointError):
     """The state holds something the chosen framework planner cannot save or load."""
 
 
+class StagingError(CheckpointError):
+    """A save could not copy its tensors into host memory (no memory for the staging arena,
+    or a failed device copy); nothing of that save was committed."""
+
+
 class RankFailedError(CheckpointError):
     """One or more ranks failed; the message carries each failing rank's error."""
 

@@ -1,7 +1,8 @@
 """Extra training state that is per rank by nature: random number generators.
 
 ``state["rng"] = bcp.RNGState()`` saves Python's, NumPy's and torch's CPU generator (and
-every CUDA device's, when CUDA is initialised) for each rank, and restores them exactly.
+every CUDA device's, when CUDA is initialised) for each rank, and restores them exactly
+(CUDA devices that the loading process lacks are skipped, with a warning).
 When the world size changes, rank ``r`` takes saved rank ``r``'s state if there was one;
 ranks beyond the old world size get fresh generators seeded from saved rank 0's state and
 their rank, so they differ from each other and are reproducible.
@@ -10,6 +11,7 @@ their rank, so they differ from each other and are reproducible.
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -41,20 +43,47 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any]) -> list[int]:
+    """Restore every generator of ``state``; return the CUDA devices skipped (see below)."""
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"]), py["gauss"]))
     n = state["numpy"]
     np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
                          n["cached"]))
     torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.from_numpy(np.asarray(s, dtype=np.uint8))
-                                      for s in state["cuda"]])
+    return _restore_cuda_rng(state.get("cuda", []))
+
+
+def _restore_cuda_rng(states: list[Any]) -> list[int]:
+    """Restore the saved CUDA generators of the devices this process has; return the saved
+    device indices it had to skip (saved on more GPUs than there are here), and warn.
+
+    Setting a device that does not exist fails, possibly only later, at CUDA's lazy
+    initialisation, far from the load: so only existing devices are touched."""
+    present = torch.cuda.device_count() if states and torch.cuda.is_available() else 0
+    for index, saved in enumerate(states[:present]):
+        torch.cuda.set_rng_state(torch.from_numpy(np.asarray(saved, dtype=np.uint8)), index)
+    skipped = list(range(present, len(states)))
+    if skipped:
+        warnings.warn(
+            f"bytecheckpoint: the checkpoint holds CUDA RNG states of {len(states)} device(s) but "
+            f"this process has {present}; restored devices 0..{present - 1}, skipped "
+            f"{skipped}: random streams on those devices will differ from the saved run"
+            if present else
+            f"bytecheckpoint: the checkpoint holds CUDA RNG states of {len(states)} device(s) "
+            "but this process has no CUDA device; skipped all of them",
+            RuntimeWarning, stacklevel=3)
+    return skipped
 
 
 class RNGState:
-    """Every random number generator of this rank, as a checkpointable object."""
+    """Every random number generator of this rank, as a checkpointable object.
+
+    After a load, ``skipped_cuda_devices`` lists the saved CUDA devices this process lacks
+    (their generators were not restored; a warning said so)."""
+
+    def __init__(self) -> None:
+        self.skipped_cuda_devices: list[int] = []
 
     def checkpoint_shards(self) -> dict[str, Any]:
         rank, world = _rank_world()
@@ -69,12 +98,12 @@ class RNGState:
         rank, _ = _rank_world()
         own = entries.get(f"rank/{rank}")
         if own is not None:
-            restore_rng(own)
+            self.skipped_cuda_devices = restore_rng(own)
             return
         base = entries.get("rank/0")
         if base is None:
             raise StateMismatchError("the checkpoint holds no RNG state")
-        restore_rng(base)
+        self.skipped_cuda_devices = restore_rng(base)
         seed = int(np.frombuffer(np.asarray(base["torch"], dtype=np.uint8).tobytes()[:8], np.uint64)[0])
         seed = (seed + 1_000_003 * rank) % (1 << 63)
         random.seed(seed)

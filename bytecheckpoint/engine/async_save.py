@@ -15,6 +15,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
+from ..devices import on_device
+
 
 class SaveHandle:
     """A save running in the background. Training may change the saved tensors as soon as
@@ -28,12 +32,16 @@ class SaveHandle:
         self._observed = False
         self._thread: threading.Thread | None = None
 
-    def _start(self, work: Callable[[], Any]) -> None:
+    def _start(self, work: Callable[[], Any], device: torch.device | None = None) -> None:
+        """Run ``work`` on a new thread, on the caller's CUDA ``device`` (a new thread starts
+        on cuda:0, where its CUDA calls would otherwise go)."""
+
         def run() -> None:
-            try:
-                self._future.set_result(work())
-            except BaseException as exc:  # reported through the handle
-                self._future.set_exception(exc)
+            with on_device(device):
+                try:
+                    self._future.set_result(work())
+                except BaseException as exc:  # reported through the handle
+                    self._future.set_exception(exc)
 
         self._thread = threading.Thread(target=run, name=f"bcp-save-{self.path}", daemon=True)
         self._thread.start()

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from telemetry import span
 
 from .. import codec
 from ..checksums import widen_to_chunks
 from ..comm import Communicator, Outcome, raise_failures
+from ..devices import exchange_device
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import (
     CheckpointReplacedError,
@@ -50,6 +50,7 @@ from ..storage import Storage
 from .coverage import add_read, check_coverage, check_rank_objects
 from .load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
 from .read_plan import Need, plan_reads
+from .transport import choose as choose_transport
 
 _MAX_LISTED = 20
 # Reader threads shared by the ranks of one host. Every rank reading with several threads,
@@ -89,6 +90,7 @@ class LoadResult:
     bytes_read: int = 0  # by this rank
     duration_s: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
+    transport: str = "gloo"  # how the ranks exchanged units: "nccl" or "gloo", the same on every rank
 
 
 def _listing(keys: list[str]) -> str:
@@ -287,15 +289,10 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
     return _LocalPlan(storage, path, meta, flat, reads, needs, problems, identity)
 
 
-def _exchange_group(comm: Communicator, process_group: Any,
-                    reads: dict[tuple[int, int], BoxRead]) -> tuple[Any, torch.device]:
-    """Host buffers over the gloo control group, or device buffers over NCCL when the
-    targets are on CUDA and the training group is NCCL."""
-    cuda = next((c.target.data.device for r in reads.values() for c in r.copies
-                 if c.target.data.is_cuda), None)
-    if cuda is not None and comm.distributed and dist.get_backend(process_group) == "nccl":
-        return process_group, cuda
-    return comm.group, torch.device("cpu")
+def _exchange_device(plan: _LocalPlan, process_group: Any) -> torch.device | None:
+    """This rank's device for an NCCL exchange (its flag on the load's all-gather)."""
+    tensors = [c.target.data for r in plan.reads.values() for c in r.copies]
+    return exchange_device([*tensors, *plan.flat.tensors.values()], process_group)
 
 
 def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Communicator
@@ -337,13 +334,16 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
                 fqn_map: Callable[[str], str] | None, process_group: Any) -> LoadResult:
     t = time.perf_counter()
     local_error: BaseException | None = None
+    xdev: torch.device | None = None
     try:
         threads = threads or read_threads_setting()
         plan = _plan_local(url, state, framework, comm, verify, fqn_map)
+        xdev = _exchange_device(plan, process_group)
         mine = Outcome(value={"wanted": _wanted(plan.flat), "groups": set(plan.flat.kinds),
                               "prefixes": plan.flat.accept_prefixes, "needs": plan.needs,
                               "problems": bool(plan.problems), "host": socket.gethostname(),
-                              "identity": plan.identity})
+                              "identity": plan.identity,
+                              "nccl": xdev is not None})
     except Exception as exc:
         local_error, mine = exc, Outcome.failure(exc)
     # The one collective before reading: every rank's keys and byte ranges (or its failure).
@@ -370,12 +370,14 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
     phases["plan"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    group, device = _exchange_group(comm, process_group, plan.reads)
+    # Every rank takes the same transport, from every rank's flag (see ``transport``).
+    transport = choose_transport([v["nccl"] for v in values], xdev, process_group, comm.group)
     file_index = {f.name: i for i, f in enumerate(plan.meta.files)}
     pipeline = LoadPipeline(
         plan.storage, plan.path, units, plan.reads,
-        rank=comm.rank, group=group, global_rank=lambda r: comm.global_ranks[r], threads=threads,
-        verify=verify, chunk_bytes=plan.meta.chunk_bytes, device=device,
+        rank=comm.rank, group=transport.group, global_rank=lambda r: comm.global_ranks[r],
+        threads=threads, verify=verify, chunk_bytes=plan.meta.chunk_bytes, device=transport.device,
+        batched=transport.batched, control=comm.group, distributed=comm.distributed,
     )
     outcome = pipeline.run()
     phases["read"] = time.perf_counter() - t
@@ -397,4 +399,4 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
             apply(shared, ranked)
     phases["apply"] = time.perf_counter() - t
     return LoadResult(plan.storage.url(plan.path), plan.meta.step, plan.meta.framework, missing,
-                      unexpected, outcome.bytes_read)
+                      unexpected, outcome.bytes_read, transport=transport.kind)

@@ -1,15 +1,19 @@
 """The read side of a load: every read unit is read once, by one rank, and sent to the others.
 
-Units are processed in windows of about ``window_bytes``. For each window a rank posts
-receives for the units others read for it, reads its own units on a thread pool (ranged,
-verified), sends them to the ranks that need them, and copies finished boxes into the target
-tensors. Reading the next window overlaps the exchange and copies of this one. Every rank
-runs the same windows in the same order, so the point-to-point messages always pair up; a
-failed read is remembered and raised after the exchange, so no rank is left waiting.
+Units are processed in windows of about ``window_bytes``. For each window a rank reads its
+own units on a thread pool (ranged, verified), receives the units others read for it, sends
+its own to the ranks that need them, and copies finished boxes into the target tensors.
+Reading the next window overlaps the exchange and copies of this one. Every rank runs the
+same windows in the same order, so the point-to-point messages always pair up; a failure on
+any rank (a bad read, an allocation) stops every rank before the next exchange, and is
+raised after the loop.
 
-On CPU the exchange runs over the gloo control group with host buffers. When the targets
-live on CUDA and the training group is NCCL, buffers live on the device and the units go
-over NCCL (read into pinned memory, then one H2D copy per unit).
+On CPU the exchange runs over the gloo control group with host buffers. When every rank
+can (``engine.transport``), the units go over NCCL instead: boxes that are exchanged get
+buffers on the rank's device (NCCL takes no host tensors: a CPU target such as Adam's
+``step`` is staged through one), units are read into a reused pinned window arena and copied
+on a side stream. Before any window's point-to-point operations are posted, the ranks agree
+over gloo that none has failed, so either every rank posts them or every rank stops.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +31,13 @@ import torch.distributed as dist
 from telemetry import span
 
 from ..checksums import bad_chunks
-from ..errors import CorruptCheckpointError
+from ..devices import on_device
+from ..errors import CorruptCheckpointError, RankFailedError
 from ..planners import LocalShard
 from ..sharding import Box, element_span, row_major_strides
 from ..storage import Storage
 from .read_plan import ReadUnit, windows
+from .staging import pool
 
 DEFAULT_WINDOW_BYTES = 256 << 20
 
@@ -75,8 +82,8 @@ def direct_target(read: BoxRead) -> torch.Tensor | None:
 
 def copy_out(read: BoxRead, non_blocking: bool = False) -> None:
     """Copy each needed region of a filled box buffer into its target view."""
-    if read.direct is not None or read.box is None:
-        return
+    if read.box is None or (read.direct is not None and read.buffer is read.direct):
+        return  # an object, or read straight into the target (not when staged for NCCL)
     assert read.buffer is not None
     item = read.dtype.itemsize
     values = read.buffer.view(read.dtype) if read.buffer.numel() else torch.empty(0, dtype=read.dtype)
@@ -119,33 +126,105 @@ class PipelineResult:
     error: BaseException | None
 
 
+class _HostWindows:
+    """Host memory for the windows of one load: two halves of one arena from the load's
+    pinned pool, used by alternate windows. Window ``i + 2`` reuses window ``i``'s half only
+    after window ``i``'s copies have completed (``LoadPipeline._finish`` waits for them), so
+    no unit allocates or pins memory of its own."""
+
+    def __init__(self, half_bytes: int) -> None:
+        self.half = _aligned(half_bytes)
+        self.arena = pool(True, purpose="load").reserve(2 * self.half) if self.half else None
+        self.used = [0, 0]
+
+    def reset(self, half: int) -> None:
+        self.used[half] = 0
+
+    def take(self, nbytes: int, half: int) -> torch.Tensor:
+        if self.arena is None or self.used[half] + nbytes > self.half:  # not expected: sized ahead
+            return torch.empty(nbytes, dtype=torch.uint8)
+        start = half * self.half + self.used[half]
+        self.used[half] += _aligned(nbytes)
+        return self.arena[start : start + nbytes]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+_NO_FAILURE = 2**31 - 1
+
+
 class LoadPipeline:
-    """Runs the read units of one load on this rank (see the module docstring)."""
+    """Runs the read units of one load on this rank (see the module docstring).
+
+    ``device`` is where exchanged buffers live (a CUDA device when ``batched``, the NCCL
+    transport); ``control`` is the gloo group of the per-window agreement when ``distributed``
+    (None there names the default group)."""
 
     def __init__(self, storage: Storage, path: str, units: list[ReadUnit],
                  mine: dict[tuple[int, int], BoxRead], *, rank: int, group: Any,
                  global_rank: Callable[[int], int], threads: int, verify: bool, chunk_bytes: int,
-                 device: torch.device, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
+                 device: torch.device, batched: bool = False, control: Any = None,
+                 distributed: bool = False, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
         self.storage, self.path = storage, path
         self.units, self.mine, self.rank = units, mine, rank
         self.group, self.global_rank = group, global_rank
         self.threads, self.verify, self.chunk_bytes = threads, verify, chunk_bytes
-        self.device = device
+        self.device, self.batched = device, batched
+        self.control, self.distributed = control, distributed
         self.window_bytes = window_bytes
         self.error: BaseException | None = None
         self.bytes_read = 0
         self.bytes_received = 0
+        self._host: _HostWindows | None = None
+        self._h2d: Any = None  # the side stream of staged units' host-to-device copies
 
-    # -- buffers -----------------------------------------------------------------------
-    def _allocate(self, window: list[ReadUnit]) -> None:
+    # -- where each box's bytes land -----------------------------------------------------
+    def _placement(self, window: list[ReadUnit]) -> dict[tuple[int, int], str]:
+        """Per box this rank needs: "device" (exchanged over NCCL: a buffer on ``device``;
+        NCCL takes no host memory), "direct" (the CPU target's own bytes), "pinned" (a host
+        buffer copied to CUDA targets) or "host"."""
+        exchanged = {u.box for u in window
+                     if u.needed_by(self.rank) and (u.receivers or u.reader != self.rank)}
+        out: dict[tuple[int, int], str] = {}
         for u in window:
             read = self.mine.get(u.box)
-            if read is None or read.buffer is not None or not u.needed_by(self.rank):
+            if read is None or u.box in out or not u.needed_by(self.rank):
                 continue
-            if read.direct is not None:
-                read.buffer = read.direct
+            if self.batched and u.box in exchanged:
+                out[u.box] = "device"
+            elif read.direct is not None:
+                out[u.box] = "direct"
+            elif any(c.target.data.is_cuda for c in read.copies):
+                out[u.box] = "pinned"
             else:
-                read.buffer = torch.empty(read.hi - read.lo, dtype=torch.uint8, device=self.device)
+                out[u.box] = "host"
+        return out
+
+    def _host_need(self, window: list[ReadUnit]) -> int:
+        """Host bytes of a window: pinned box buffers, and staging for units this rank reads
+        into device buffers."""
+        where = self._placement(window)
+        boxes = sum(_aligned(self.mine[b].hi - self.mine[b].lo) for b, p in where.items() if p == "pinned")
+        staged = sum(_aligned(u.nbytes) for u in window
+                     if u.reader == self.rank and where.get(u.box) == "device" and self.device.type == "cuda")
+        return boxes + staged
+
+    def _allocate(self, window: list[ReadUnit], half: int) -> None:
+        for box, where in self._placement(window).items():
+            read = self.mine[box]
+            if read.buffer is not None:
+                continue
+            n = read.hi - read.lo
+            if where == "device":
+                read.buffer = torch.empty(n, dtype=torch.uint8, device=self.device)
+            elif where == "direct":
+                read.buffer = read.direct
+            elif where == "pinned" and self._host is not None:
+                read.buffer = self._host.take(n, half)
+            else:
+                read.buffer = torch.empty(n, dtype=torch.uint8)
 
     def _slice(self, u: ReadUnit) -> torch.Tensor:
         read = self.mine[u.box]
@@ -153,29 +232,30 @@ class LoadPipeline:
         return read.buffer[u.start - read.lo : u.stop - read.lo]
 
     # -- reading -------------------------------------------------------------------------
-    def _read(self, units: list[ReadUnit]) -> None:
-        """Read units that lie back to back in one file with one request, then check each."""
-        first = self.mine[units[0].box]
-        full = posixpath.join(self.path, first.file)
-        offset = units[0].box_offset + units[0].start
-        targets = []
-        for u in units:
-            dst = self._slice(u)
-            host = dst if dst.device.type == "cpu" else torch.empty(
-                u.nbytes, dtype=torch.uint8, pin_memory=True)
-            targets.append((u, dst, host, memoryview(host.numpy()) if u.nbytes else memoryview(b"")))
-        with span("load.read", path=full, bytes=sum(u.nbytes for u in units)):
-            if len(targets) == 1:  # one large range: the backend splits it over threads
-                got = self.storage.read_into(full, offset, targets[0][3])
-            else:
-                got = self.storage.read_into_many(full, offset, [t[3] for t in targets])
-        for u, dst, host, view in targets:
-            have, got = max(0, min(got, u.nbytes)), got - u.nbytes
-            self._check(u, full, view, have)
-            if host is not dst:
-                with span("load.h2d", bytes=u.nbytes):
-                    dst.copy_(host, non_blocking=True)
-                    torch.cuda.current_stream(dst.device).synchronize()
+    def _read(self, units: list[tuple[ReadUnit, torch.Tensor | None]]) -> None:
+        """Read units that lie back to back in one file with one request, then check each.
+        A unit bound for a device buffer is read into its slice of the pinned window arena
+        (``staged``) and copied on the side stream; the exchange waits for that stream."""
+        with on_device(self.device):
+            first = self.mine[units[0][0].box]
+            full = posixpath.join(self.path, first.file)
+            offset = units[0][0].box_offset + units[0][0].start
+            targets = []
+            for u, staged in units:
+                dst = self._slice(u)
+                host = dst if staged is None else staged
+                targets.append((u, dst, host, memoryview(host.numpy()) if u.nbytes else memoryview(b"")))
+            with span("load.read", path=full, bytes=sum(u.nbytes for u, _ in units)):
+                if len(targets) == 1:  # one large range: the backend splits it over threads
+                    got = self.storage.read_into(full, offset, targets[0][3])
+                else:
+                    got = self.storage.read_into_many(full, offset, [t[3] for t in targets])
+            for u, dst, host, view in targets:
+                have, got = max(0, min(got, u.nbytes)), got - u.nbytes
+                self._check(u, full, view, have)
+                if host is not dst:
+                    with span("load.h2d", bytes=u.nbytes), torch.cuda.stream(self._h2d):
+                        dst.copy_(host, non_blocking=True)
 
     def _check(self, u: ReadUnit, full: str, view: memoryview, got: int) -> None:
         read = self.mine[u.box]
@@ -193,14 +273,21 @@ class LoadPipeline:
                 "corrupt: restore it or load another checkpoint"
             )
 
-    def _submit(self, pool: ThreadPoolExecutor,
-                window: list[ReadUnit]) -> list[tuple[int, ReadUnit, Future]]:
-        self._allocate(window)
+    def _submit(self, pool: ThreadPoolExecutor, window: list[ReadUnit],
+                half: int) -> list[tuple[int, ReadUnit, Future]]:
+        if self._host is not None:
+            self._host.reset(half)
+        self._allocate(window, half)
         mine = [(j, u) for j, u in enumerate(window) if u.reader == self.rank]
+        staged: dict[int, torch.Tensor | None] = {}
+        for j, u in mine:
+            to_device = self._slice(u).device.type == "cuda"
+            staged[j] = self._host.take(u.nbytes, half) if to_device and self._host is not None else (
+                torch.empty(u.nbytes, dtype=torch.uint8) if to_device else None)
         limit = max(1, self.window_bytes // max(1, self.threads))
         out = []
         for run in contiguous_runs(mine, limit):
-            future = pool.submit(self._read, [u for _, u in run])
+            future = pool.submit(self._read, [(u, staged[j]) for j, u in run])
             out.extend((j, u, future) for j, u in run)
         return out
 
@@ -208,42 +295,80 @@ class LoadPipeline:
         if self.error is None:
             self.error = exc
 
+    def _agree(self) -> bool:
+        """True when no rank has failed so far. Every rank asks before posting a window's
+        point-to-point operations, over the gloo control group, so either all of them post
+        or none does: a failed rank never leaves its peers waiting in NCCL or gloo."""
+        first = torch.tensor([self.rank if self.error is not None else _NO_FAILURE], dtype=torch.int64)
+        if self.distributed:
+            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.control)
+        failed = int(first.item())
+        if failed != _NO_FAILURE and self.error is None:
+            self.error = RankFailedError(
+                f"checkpoint load stopped: rank {failed} failed while reading or preparing the "
+                "exchange, so no rank exchanged further (its error is in the load's summary)",
+                {failed: "failed before the exchange"})
+        return failed == _NO_FAILURE
+
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> PipelineResult:
         groups = windows(self.units, self.window_bytes)
         bases = [0]
         for g in groups:
             bases.append(bases[-1] + len(g))  # tags: the unit's index in the whole plan
-        with ThreadPoolExecutor(max(1, self.threads)) as pool:
-            pending = self._submit(pool, groups[0]) if groups else []
+        with on_device(self.device), ThreadPoolExecutor(max(1, self.threads)) as pool:
+            pending: list[tuple[int, ReadUnit, Future]] = []
+            try:
+                need = max((self._host_need(g) for g in groups), default=0)
+                self._host = _HostWindows(need) if need else None
+                if self.device.type == "cuda":
+                    self._h2d = torch.cuda.Stream(self.device)
+                pending = self._submit(pool, groups[0], 0) if groups else []
+            except Exception as exc:  # e.g. out of device memory: reported by the agreement
+                self._fail(exc)
             for i, window in enumerate(groups):
-                # gloo: receives are posted before reading, sends as reads complete. NCCL
-                # runs point-to-point operations in order on one stream, so a window's
-                # receives and sends go out together as one batch instead.
-                batched = self.device.type == "cuda"
-                recvs = self._receives(window, bases[i])
-                reqs = [] if batched else [op.op(op.tensor, op.peer, op.group, op.tag) for op in recvs]
-                reads = pending
-                pending = self._submit(pool, groups[i + 1]) if i + 1 < len(groups) else []
-                sends = []
-                for j, u, fut in reads:
+                recvs: list[dist.P2POp] = []
+                sends: list[dist.P2POp] = []
+                reads, pending = pending, []
+                try:
+                    if self.error is None:
+                        recvs = self._receives(window, bases[i])
+                        if i + 1 < len(groups):
+                            pending = self._submit(pool, groups[i + 1], (i + 1) % 2)
+                except Exception as exc:
+                    self._fail(exc)
+                for j, u, fut in reads:  # wait for every read, so no thread writes into a dropped buffer
                     try:
                         fut.result()
                         self.bytes_read += u.nbytes
-                    except Exception as exc:  # still send: the peers are waiting for these bytes
+                        sends.extend(self._sends(u, bases[i] + j))
+                    except Exception as exc:
                         self._fail(exc)
-                    ops = self._sends(u, bases[i] + j)
-                    if batched:
-                        sends.extend(ops)
-                    else:
-                        reqs.extend(op.op(op.tensor, op.peer, op.group, op.tag) for op in ops)
-                if batched and (recvs or sends):
-                    reqs = dist.batch_isend_irecv([*recvs, *sends])
-                with span("load.exchange", requests=len(reqs)):
-                    for req in reqs:
-                        req.wait()
+                if not self._agree():
+                    for _, _, fut in pending:
+                        fut.cancel()
+                    futures_wait([f for _, _, f in pending])
+                    break
+                self._exchange(i, recvs, sends)
                 self._finish(window)
         return PipelineResult(self.bytes_read, self.bytes_received, self.error)
+
+    def _exchange(self, i: int, recvs: list[dist.P2POp], sends: list[dist.P2POp]) -> None:
+        if self._h2d is not None:  # staged units' copies land before NCCL reads the buffers
+            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+        if self.batched:
+            # NCCL runs point-to-point operations in order on one stream, so a window's
+            # receives and sends go out as one batch. A rank with nothing to do in a window
+            # skips it, which torch allows only after the group's first collective: every
+            # rank makes that one first, together.
+            if i == 0:
+                dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+            reqs = dist.batch_isend_irecv([*recvs, *sends]) if recvs or sends else []
+        else:
+            reqs = [op.op(op.tensor, op.peer, op.group, op.tag) for op in [*recvs, *sends]]
+        with span("load.exchange", requests=len(reqs)):
+            for req in reqs:
+                req.wait()
 
     def _receives(self, window: list[ReadUnit], base: int) -> list[dist.P2POp]:
         ops = []
@@ -263,13 +388,20 @@ class LoadPipeline:
     def _finish(self, window: list[ReadUnit]) -> None:
         done = {u.box: self.mine[u.box] for u in window
                 if u.needed_by(self.rank) and self.mine[u.box].box is not None}
+        devices = {c.target.data.device for read in done.values() for c in read.copies
+                   if c.target.data.is_cuda}
+        if self.device.type == "cuda":
+            devices.add(self.device)
         with span("load.copy", boxes=len(done)):
             for read in done.values():
                 try:
-                    copy_out(read, non_blocking=self.device.type == "cuda")
+                    copy_out(read, non_blocking=True)
                 except Exception as exc:
                     self._fail(exc)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            for dev in devices:  # the copies complete before their buffers are reused or dropped
+                with on_device(dev):
+                    event = torch.cuda.Event(blocking=True)  # waits without spinning a core
+                    event.record()
+                    event.synchronize()
         for read in done.values():
             read.buffer = None  # boxes never span windows: this one is finished

@@ -39,8 +39,9 @@ from .. import codec, errors, save_lock
 from ..checksums import DEFAULT_CHUNK_BYTES
 from ..comm import Communicator, Outcome, summarize_failures
 from ..commit import prepare_target
+from ..devices import on_device
 from ..dtypes import dtype_name
-from ..errors import CheckpointExistsError, PlanningError, RankFailedError, StorageError
+from ..errors import CheckpointExistsError, PlanningError, RankFailedError, StagingError, StorageError
 from ..gc_pause import gc_paused
 from ..integrity import (
     abandon,
@@ -289,33 +290,65 @@ def _plan(job: _Job, local_error: BaseException | None) -> _Assignment:
 # -- writing and committing ----------------------------------------------------------------
 
 
+def _needs_staging(views: list[torch.Tensor]) -> bool:
+    """Device tensors are copied into host memory even by a synchronous save (a writer
+    cannot read device memory); host tensors are written in place."""
+    return any(v.is_cuda for v in views)
+
+
 class _Sources:
-    """The bytes of a rank's assigned boxes: staged copies, or live tensor views."""
+    """The bytes of a rank's assigned boxes: staged copies, or live tensor views.
+
+    Allocating the staging arena can fail on one rank (no host memory). The error is kept
+    and raised inside this rank's write, so it reaches every rank through the next collective
+    instead of leaving the others waiting in it."""
 
     def __init__(self, job: _Job, assignment: _Assignment, stage: bool) -> None:
         views = [_source_view(item, job.shards[item.key]) for item in assignment.items]
-        self.stager = Stager(views) if stage or any(v.is_cuda for v in views) else None
+        self.stager: Stager | None = None
+        self.error: StagingError | None = None
+        self.thread: threading.Thread | None = None
+        try:
+            if stage or _needs_staging(views):
+                self.stager = Stager(views)
+        except Exception as exc:
+            self.error = StagingError(f"could not allocate host memory to stage this save's "
+                                      f"{len(views)} tensor piece(s): {exc}; free host memory or "
+                                      "save synchronously")
+            self.error.__cause__ = exc
         if self.stager is not None:
             self.fns = [p.bytes for p in self.stager.pieces]
         else:
             self.fns = [lambda v=v: tensor_bytes(v) for v in views]
 
-    def stage_in_background(self) -> threading.Thread | None:
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stage_in_background(self) -> None:
         """Copy while the writer writes what has landed (synchronous saves of device tensors)."""
         if self.stager is None:
-            return None
-        stager = self.stager
+            return
+        stager, device = self.stager, self.stager.device
 
         def run() -> None:
-            try:
-                stager.run()
-            except BaseException:
-                stager.fail()
-                raise
+            with on_device(device):  # the caller's device: a new thread starts on cuda:0
+                try:
+                    stager.run()
+                except BaseException:  # kept in stager.error; the pieces raise it to the writer
+                    pass
 
-        thread = threading.Thread(target=run, name="bcp-stage", daemon=True)
-        thread.start()
-        return thread
+        self.thread = threading.Thread(target=run, name="bcp-stage", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        """Wait for the staging thread, stopping it first if copies remain (the writer has
+        taken every piece it wanted by now). No copy is landing in the arena afterwards."""
+        if self.thread is not None:
+            assert self.stager is not None
+            self.stager.cancel()
+            self.thread.join()
+            self.thread = None
 
 
 def _prepare(job: _Job, assignment: _Assignment) -> None:
@@ -344,6 +377,7 @@ def _write(job: _Job, assignment: _Assignment, sources: _Sources, makedirs: bool
     try:
         if job.host is not None:
             return _write_host(job, job.host, assignment, sources, makedirs), None
+        sources.check()
         if makedirs:
             _prepare(job, assignment)
         assert job.flat is not None
@@ -364,6 +398,7 @@ def _write_host(job: _Job, host: HostLayout, assignment: _Assignment, sources: _
     pairs: list[tuple[Entry, Callable[[], memoryview]]] = []
     error: BaseException | None = None
     try:
+        sources.check()
         if makedirs and leader:  # members create nothing: they write no files
             _prepare(job, assignment)
         assert job.flat is not None
@@ -435,6 +470,7 @@ def _finish(job: _Job, assignment: _Assignment, hit: bool, sources: _Sources) ->
                     break
                 # "replan" (synchronous saves only): the tensors have not changed meanwhile.
                 hit = False
+                sources.join()  # the old copies are done before the arena is reused
                 assignment = _plan(job, None)
                 sources = _Sources(job, assignment, stage=False)
                 sources.stage_in_background()
@@ -442,6 +478,7 @@ def _finish(job: _Job, assignment: _Assignment, hit: bool, sources: _Sources) ->
         plan_cache.drop(comm.global_ranks)
         raise
     finally:
+        sources.join()  # a sync save returns only when no copy is landing in the arena
         job.release()  # whatever happened, this save no longer holds its path
     total_bytes, metadata_bytes, n_files = totals
     mine_bytes = sum(f.size for f in written.files) if written else 0
@@ -529,22 +566,26 @@ def _save(url: str, state: dict[str, Any], framework: str | None, step: int | No
 
         handle = SaveHandle(url, step)
         stager = sources.stager
-        assert stager is not None
+        device = stager.device if stager is not None else None
         # A D2H copy is DMA: the writer may start on the first pieces while the rest are
         # copied. On CPU the copy and the writer would compete for the same cores while
         # training waits, so the writer starts once the snapshot is complete.
-        overlap = stager.cuda
+        overlap = stager is not None and stager.cuda
         if overlap:
-            handle._start(lambda: _finish(job, assignment, hit, sources))
-        stage_error: BaseException | None = None
-        try:
-            stager.run()  # the snapshot
-        except BaseException as exc:
-            stage_error = exc
-            stager.fail()
+            handle._start(lambda: _finish(job, assignment, hit, sources), device)
+        stage_error: BaseException | None = sources.error
+        if stager is not None:
+            try:
+                stager.run()  # the snapshot
+            except BaseException as exc:
+                stage_error = exc
+                if isinstance(exc, Exception):
+                    stage_error = StagingError(f"copying this save's tensors into host memory "
+                                               f"failed: {exc}")
+                    stage_error.__cause__ = exc
         job.phases["stage"] = time.perf_counter() - t
         if not overlap:
-            handle._start(lambda: _finish(job, assignment, hit, sources))
+            handle._start(lambda: _finish(job, assignment, hit, sources), device)
         set_pending(handle)
         handle.blocking_s = time.perf_counter() - t0
         total.set(framework=job.framework, cached_plan=hit, blocking_s=handle.blocking_s)

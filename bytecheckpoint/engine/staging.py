@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import mmap
 import threading
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from telemetry import span
+
+from ..devices import caller_device, cuda_devices, on_device
+from ..errors import StagingError
 
 _ALIGN = 64  # every piece starts on a cache line, so any dtype view is aligned
 
@@ -43,38 +48,71 @@ def _host_arena(nbytes: int) -> torch.Tensor:
 
 
 class HostBufferPool:
-    """One growable host arena. ``reserve(n)`` returns the first ``n`` bytes of it."""
+    """One growable host arena. ``reserve(n)`` returns the first ``n`` bytes of it.
+
+    A pinned pool pins its own mmap arena with ``cudaHostRegister`` rather than asking
+    PyTorch's pinned allocator, which rounds every block up to a power of two (a 20 GB save
+    would pin 32 GB) and keeps a dropped block cached, still pinned, when the arena grows.
+    The arena is unregistered before it is dropped, so its pages are unpinned before they are
+    unmapped. When pinning fails the arena stays plain memory (copies are then synchronous)
+    and the reason is kept in ``pin_failures`` and warned about: a save never fails for it."""
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
         self._arena: torch.Tensor | None = None
+        self._registered = False
         self.allocations = 0  # how many times memory was (re)allocated
+        self.pin_failures: list[str] = []
 
     @property
     def capacity(self) -> int:
         return 0 if self._arena is None else self._arena.numel()
 
+    @property
+    def is_pinned(self) -> bool:
+        return self._registered
+
     def reserve(self, nbytes: int) -> torch.Tensor:
         if self._arena is None or self._arena.numel() < nbytes:
-            self._arena = None  # drop the old arena before allocating the larger one
-            size = max(nbytes, 1)
+            self._release()  # drop the old arena before allocating the larger one
+            arena = _host_arena(max(nbytes, 1))
             if self.pinned:
-                self._arena = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            else:
-                self._arena = _host_arena(size)
+                self._registered = self._pin(arena)
+            self._arena = arena
             self.allocations += 1
         return self._arena[:nbytes]
 
+    def _pin(self, arena: torch.Tensor) -> bool:
+        try:
+            code = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
+            reason = None if code == 0 else f"cudaHostRegister returned CUDA error {code}"
+        except Exception as exc:  # no CUDA runtime here
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason is None:
+            return True
+        self.pin_failures.append(reason)
+        warnings.warn(f"bytecheckpoint: could not pin {arena.numel()} bytes of host memory for "
+                      f"staging ({reason}); using unpinned memory, so device copies are "
+                      "synchronous", RuntimeWarning, stacklevel=4)
+        return False
 
-_POOLS: dict[bool, HostBufferPool] = {}
+    def _release(self) -> None:
+        if self._arena is not None and self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+        self._arena, self._registered = None, False
+
+
+_POOLS: dict[tuple[bool, str], HostBufferPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def pool(pinned: bool) -> HostBufferPool:
+def pool(pinned: bool, purpose: str = "save") -> HostBufferPool:
+    """The process's pool for ``purpose``: saves and loads keep separate arenas."""
     with _POOLS_LOCK:
-        if pinned not in _POOLS:
-            _POOLS[pinned] = HostBufferPool(pinned)
-        return _POOLS[pinned]
+        key = (pinned, purpose)
+        if key not in _POOLS:
+            _POOLS[key] = HostBufferPool(pinned)
+        return _POOLS[key]
 
 
 @dataclass
@@ -83,26 +121,38 @@ class StagedPiece:
 
     data: torch.Tensor  # uint8 slice of the arena
     _ready: threading.Event
-    _cuda_event: object | None = None
+    _cuda_event: Any = None
+    _device: torch.device | None = None  # of the event: waited on from any thread
     _failed: bool = False
+    _error: BaseException | None = None
 
     def bytes(self) -> memoryview:
         self._ready.wait()
         if self._failed:
-            raise RuntimeError("staging the save's tensors into host memory failed; nothing "
-                               "from this save is written")
+            raise StagingError("staging the save's tensors into host memory failed; nothing "
+                               f"from this save is written ({self._error or 'the save stopped'})"
+                               ) from self._error
         if self._cuda_event is not None:
-            self._cuda_event.synchronize()  # type: ignore[attr-defined]
+            with on_device(self._device):  # a writer thread may not be on the event's device
+                self._cuda_event.synchronize()
         return memoryview(self.data.numpy()) if self.data.numel() else memoryview(b"")
 
 
 class Stager:
     """Copies source views into the arena in order. ``plan`` sizes and places them first,
-    so the writer can be handed every piece before the copies start."""
+    so the writer can be handed every piece before the copies start.
+
+    Built on the calling thread: it takes that thread's current device and, per source
+    device, its current stream (both are per thread), so ``run`` on any thread copies after
+    the caller's pending work on every device the sources live on."""
 
     def __init__(self, sources: list[torch.Tensor]) -> None:
         self.sources = [s.detach() for s in sources]
         self.cuda = any(s.is_cuda for s in self.sources)
+        self.device = caller_device() if self.cuda else None
+        self._caller_streams = {d: torch.cuda.current_stream(d) for d in cuda_devices(self.sources)}
+        self.error: BaseException | None = None
+        self._cancelled = threading.Event()
         offsets, total = [], 0
         for s in self.sources:
             offsets.append(total)
@@ -116,37 +166,61 @@ class Stager:
 
     def run(self) -> None:
         """Copy every source; returns when the copies are done (on CUDA: synchronized)."""
-        with span("save.stage", bytes=self.nbytes, device="cuda" if self.cuda else "cpu"):
-            if self.cuda:
-                self._run_cuda()
-            else:
-                for src, piece in zip(self.sources, self.pieces):
-                    if src.numel():
-                        piece.data.view(src.dtype).view(src.shape).copy_(src)
-                    piece._ready.set()
+        try:
+            with span("save.stage", bytes=self.nbytes, device="cuda" if self.cuda else "cpu"):
+                if self.cuda:
+                    with on_device(self.device):
+                        self._run_cuda()
+                else:
+                    for src, piece in zip(self.sources, self.pieces):
+                        if self._cancelled.is_set():
+                            break
+                        if src.numel():
+                            piece.data.view(src.dtype).view(src.shape).copy_(src)
+                        piece._ready.set()
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self.fail(self.error)  # pieces a cancel or an error left uncopied
 
     def _run_cuda(self) -> None:
-        # D2H on a side stream that first waits for the training stream's pending work;
+        # D2H on one side stream per source device, each first waiting for the caller's stream
+        # on that device: a copy of a tensor on cuda:k runs on device k's current stream, so
+        # a stream (and events) on any other device would neither wait for nor cover it.
         # record_stream keeps the caching allocator from reusing a source before its copy.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        last = None
-        with torch.cuda.stream(side):
-            for src, piece in zip(self.sources, self.pieces):
-                if src.numel():
-                    if src.is_cuda:
-                        src.record_stream(side)
-                    piece.data.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(side)
-                piece._cuda_event, last = event, event
-                piece._ready.set()
-        if last is not None:
-            last.synchronize()  # the snapshot is complete: training may change the tensors
+        sides = {}
+        for dev, caller in self._caller_streams.items():
+            with torch.cuda.device(dev):
+                sides[dev] = torch.cuda.Stream(dev)
+                sides[dev].wait_stream(caller)
+        last: dict[torch.device, Any] = {}
+        for src, piece in zip(self.sources, self.pieces):
+            if self._cancelled.is_set():
+                break
+            if src.is_cuda:
+                dev = src.device
+                with torch.cuda.device(dev), torch.cuda.stream(sides[dev]):
+                    if src.numel():
+                        src.record_stream(sides[dev])
+                        piece.data.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+                    event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
+                    event.record(sides[dev])
+                piece._cuda_event, piece._device, last[dev] = event, dev, event
+            elif src.numel():  # a host tensor among device ones: a plain copy
+                piece.data.view(src.dtype).view(src.shape).copy_(src)
+            piece._ready.set()
+        for dev, event in last.items():  # the snapshot is complete: training may change the tensors
+            with torch.cuda.device(dev):
+                event.synchronize()
 
-    def fail(self) -> None:
+    def cancel(self) -> None:
+        """Stop before the next copy (the save failed; nobody will read the rest)."""
+        self._cancelled.set()
+
+    def fail(self, error: BaseException | None = None) -> None:
         """Release anyone waiting on pieces that will never be copied."""
         for piece in self.pieces:
             if not piece._ready.is_set():
-                piece._failed = True
+                piece._failed, piece._error = True, error
                 piece._ready.set()
