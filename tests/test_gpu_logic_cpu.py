@@ -382,3 +382,15 @@ def test_the_static_check_catches_a_thread_without_its_device():
         "    pool.submit(good, dev, xs)\n")
     problems, targets = _violations({"bad.py": bad})
     assert targets == 3 and len(problems) == 2, problems
+
+
+def test_cuda_events_are_blocking():
+    """A waiter on a plain CUDA event spins a core at 100% (the writer, a reader thread)."""
+    spinning = []
+    for path, tree in _package_modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _chain(node.func)[-2:] == ["cuda", "Event"]:
+                blocking = [k for k in node.keywords if k.arg == "blocking"]
+                if not (blocking and isinstance(blocking[0].value, ast.Constant) and blocking[0].value.value):
+                    spinning.append(f"{path}:{node.lineno}")
+    assert not spinning, f"torch.cuda.Event without blocking=True: {spinning}"
