@@ -23,6 +23,7 @@ from .errors import (  # noqa: E402
     NotACheckpointError,
     RankFailedError,
     ShapeMismatchError,
+    StagingError,
     StateMismatchError,
     StorageError,
     StorageIOError,
@@ -39,5 +40,5 @@ __all__ = [
     "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",
     "UnsafeCheckpointError", "CheckpointReplacedError", "ConcurrentSaveError", "InvalidArgumentError",
-    "StorageError", "StorageIOError",
+    "StorageError", "StorageIOError", "StagingError",
 ]
