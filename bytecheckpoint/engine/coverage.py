@@ -70,3 +70,17 @@ def check_rank_objects(meta: CheckpointMetadata, wanted: Iterable[str], source_r
                 f"{meta.world_size} but not for rank {source_rank}, which this load takes it from; "
                 "the checkpoint is damaged or hostile"
             )
+
+
+def check_shared_objects(meta: CheckpointMetadata, wanted: Iterable[str], source: str) -> None:
+    """A shared object this load wants and the checkpoint holds must be stored shared: one that
+    only carries a rank is never read (the state keeps its old value, e.g. a one-parameter
+    group's learning rate)."""
+    have = {(o.key, o.rank) for o in meta.objects}
+    for key in sorted(wanted):
+        ranks = sorted(r for k, r in have if k == key and r is not None)
+        if ranks and (key, None) not in have:
+            raise CorruptCheckpointError(
+                f"{source}: {key!r} is state shared by every rank, but the checkpoint stores it only "
+                f"for rank(s) {ranks[:20]}; the checkpoint is damaged or hostile"
+            )

@@ -47,7 +47,7 @@ from ..planners import get_planner
 from ..sharding import element_span
 from ..state import FlatState, flatten_state
 from ..storage import Storage
-from .coverage import add_read, check_coverage, check_rank_objects
+from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects
 from .load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
 from .read_plan import Need, plan_reads
 from .transport import choose as choose_transport
@@ -279,6 +279,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 add_read(reads, (file_index[b.file], b.byte_offset), BoxRead(
                     obj.key, b.file, b.byte_offset, b.byte_length, 0, b.byte_length, b.checksums), source)
         check_rank_objects(meta, flat.rank_objects, source_rank, source)
+        check_shared_objects(meta, flat.shared_objects, source)
         check_coverage(wanted_targets, reads.values(), source)
         try:
             check_file_sizes(storage, path, meta, {r.file for r in reads.values()}, headers=verify)

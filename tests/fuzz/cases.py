@@ -83,7 +83,8 @@ def resolve(case: list, ctx: Context) -> list:
         except (TypeError, ValueError, OverflowError):
             return ["metadata", seed.files[METADATA_FILE]]  # a value msgpack cannot encode
     if kind in ("storage_ops", "verify_ops"):
-        return [kind[:-4], case[1], mutate.apply_bytes(seed.files[case[1]], case[2])]
+        name = seed.file_named(case[1])
+        return [kind[:-4], name, mutate.apply_bytes(seed.files[name], case[2])]
     if kind == "cli":
         return ["cli", [ctx.workspace.expand(a) for a in case[1]]]
     return case

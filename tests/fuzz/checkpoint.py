@@ -96,6 +96,14 @@ class Seed:
     def doc(self) -> dict:
         return seal.decode_doc(self.files[METADATA_FILE])
 
+    def file_named(self, name: str) -> str:
+        """``name``, or the seed's storage file of the same kind (``model-...``) when the
+        library names files differently (cases and the corpus keep working)."""
+        if name in self.files:
+            return name
+        kind = name.split("-", 1)[0] + "-"
+        return next(n for n in sorted(self.files) if n.startswith(kind))
+
     def write(self, path: str, replace: dict[str, bytes] | None = None) -> None:
         """Materialise the checkpoint at ``path`` with some files replaced."""
         if os.path.isdir(path):

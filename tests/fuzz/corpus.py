@@ -23,10 +23,10 @@ SEED, PER_TARGET = 2024, 25
 def named_cases(ctx: cases.Context) -> dict[str, list]:
     """Reproducers of the holes issue 17 lists, by name."""
     seed = ctx.seed
-    model = "model-00000.safetensors"
+    model = seed.file_named("model-00000.safetensors")
     header = seed.files[model]
     f32 = header.index(b'"F32"') + 1
-    optim = seed.files["optim-00000.safetensors"]
+    optim = seed.files[seed.file_named("optim-00000.safetensors")]
     first_offset = int.from_bytes(seed.doc["boxes"]["byte_offset"][:8], "little", signed=True)
     return {
         "object-nested-ext-200": ["object", objects.nested_ext(200)],
@@ -41,6 +41,8 @@ def named_cases(ctx: cases.Context) -> dict[str, list]:
         "doc-byte-offset-collides": ["doc_ops", [("elem", ("boxes", "byte_offset"), 1, first_offset)]],
         "doc-object-rank-flipped": ["doc_ops", [("set", ("objects", len(seed.doc["objects"]) - 1, 1), 1)]],
         "doc-object-rank-none": ["doc_ops", [("set", ("objects", len(seed.doc["objects"]) - 1, 1), None)]],
+        # A shared object (a parameter's optimizer hyperparameters) given a rank was never read.
+        "doc-shared-object-given-a-rank": ["doc_ops", [("set", ("objects", 1, 1), 0)]],
         "doc-tensor-2p24-rows": ["doc_ops", [("elem", ("tensors", "shape"), 0, 2**24)]],
         "doc-object-length-negative": ["doc_ops", [("set", ("objects", 0, 4), -5)]],
         "doc-object-length-huge": ["doc_ops", [("set", ("objects", 0, 4), 1_385_000_000)]],
@@ -51,7 +53,7 @@ def named_cases(ctx: cases.Context) -> dict[str, list]:
         "verify-header-f32-to-i32": ["verify_ops", model, [("set", f32, ord("I"))]],
         "storage-header-f32-to-i32": ["storage_ops", model, [("set", f32, ord("I"))]],
         # Two same-shaped entries trade names: tools reading the file by name get each other's numbers.
-        "verify-header-entry-names-swapped": ["verify_ops", "optim-00000.safetensors", [
+        "verify-header-entry-names-swapped": ["verify_ops", "optim", [
             ("set", optim.index(b"state/0.bias/step@") + 6, ord("1")),
             ("set", optim.index(b"state/1.bias/step@") + 6, ord("0"))]],
         "storage-truncated": ["storage_ops", model, [("truncate", len(header) - 3)]],
