@@ -12,10 +12,13 @@ On object stores (``CommitMode.MARKER``: no rename, but a PUT of one object is a
 write straight into the final prefix and the metadata object, written last, is the commit. The
 save's owner record ``.<name>.staging-<id>.owner`` next to it says a save is under way, so a
 crashed save is reported as "never committed" and its files are cleaned up by the next save to
-the same path. Trade-off: the new files have the old ones' names, so ``overwrite=True`` on an
-object store uncommits the old checkpoint (its metadata deleted first, then its files) when the
-new save starts; a save that then fails leaves neither. Save to a new path and delete the old
-one afterwards where that matters.
+the same path. An ``overwrite=True`` save there names its data files with its save id
+(``model-00003.<id>.safetensors``, see :func:`data_file_tag`), so they never collide with the
+files of the checkpoint it replaces: the old metadata object stays the commit until the new one
+is PUT over it (one atomic PUT), and only then are the files the new metadata does not name
+deleted. A crash before the PUT leaves the old checkpoint loadable and the new files as garbage,
+which the next overwrite of the path deletes (files of our naming that the committed metadata
+does not name and no live save owns). Other saves keep the plain names.
 
 Every save holds the path's save lock (:mod:`.save_lock`) from :func:`begin_save` to the end of
 its commit or clean-up, so it never deletes or replaces another live save's files, and
@@ -36,6 +39,7 @@ import uuid
 from dataclasses import dataclass
 
 import msgpack
+import xxhash
 
 from . import save_lock
 from .errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
@@ -52,8 +56,10 @@ GRACE_ENV = "BCP_SAVE_STAGING_GRACE_S"
 DEFAULT_GRACE_S = 60.0
 WAIT_READERS_ENV = "BCP_OVERWRITE_WAIT_S"
 DEFAULT_WAIT_READERS_S = 5.0
-# The names of the data files a save writes (the leftovers of a crashed save on an object store).
-_DATA_FILE = re.compile(r"^[a-z]+-h?\d{5}\.safetensors$")
+# The names of the data files a save writes (the leftovers of a crashed save on an object store),
+# with the save's tag where it has one.
+_DATA_FILE = re.compile(r"^[a-z]+-h?\d{5}(?:\.(?P<tag>[0-9A-Za-z]{1,32}))?\.safetensors$")
+_TAG = re.compile(r"^[0-9A-Za-z]{1,32}$")
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,25 @@ def _seconds(name: str, default: float) -> float:
     except ValueError:
         return default
     return value if value >= 0 else default
+
+
+def _tag_of(save_id: str) -> str:
+    return save_id if _TAG.match(save_id) else xxhash.xxh3_64_hexdigest(save_id.encode())
+
+
+def data_file_tag(storage: Storage, overwrite: bool, save_id: str) -> str:
+    """The tag a save puts in its data files' names: its save id for an overwrite on an object
+    store (its files must not replace the old checkpoint's before its metadata does), else ""
+    (the names earlier releases wrote). Every rank works it out alike from its assignment."""
+    if not overwrite or storage.commit_mode is not CommitMode.MARKER:
+        return ""
+    return _tag_of(save_id)
+
+
+def data_file_name(kind: str, writer: str, tag: str = "") -> str:
+    """``<kind>-<writer>[.<tag>].safetensors``: ``writer`` is ``00003`` (rank 3) or ``h00003``
+    (host 3); a plain file name inside the checkpoint, as the metadata requires."""
+    return f"{kind}-{writer}.{tag}.safetensors" if tag else f"{kind}-{writer}.safetensors"
 
 
 def split_checkpoint_path(path: str) -> tuple[str, str]:
@@ -317,12 +342,24 @@ def repair(storage: Storage, path: str, wait_s: float = 2.0) -> str | None:
 # -- the protocol --------------------------------------------------------------------------
 
 
-def _uncommit(storage: Storage, path: str, names: set[str]) -> None:
-    """Delete a checkpoint on an object store, its commit (the metadata) first, so a crash
-    part-way never leaves metadata that names deleted files; only the entries it consists of."""
-    storage.delete(posixpath.join(path, METADATA_FILE))
-    for name in sorted(names - {METADATA_FILE}):
-        storage.delete(posixpath.join(path, name))
+def _live_tags(storage: Storage, path: str, lock: SaveLock) -> set[str]:
+    """The data-file tags of saves to ``path`` that are running (this one included)."""
+    live = {_tag_of(lock.save_id)}
+    for _record, doc in save_lock.other_records(storage, path, exclude=lock.save_id):
+        if save_lock.record_alive(doc) and doc is not None:
+            live.add(_tag_of(str(doc.get("save_id", ""))))
+    return live
+
+
+def _sweep(storage: Storage, path: str, keep: set[str], live: set[str]) -> None:
+    """Object stores: delete the data files in ``path`` that the committed metadata does not name
+    (``keep``) and no running save owns (``live`` tags): those of a replaced checkpoint, or of an
+    overwrite that crashed before its commit. Anything not named like our data files stays."""
+    for entry in storage.list_dir(path):
+        found = _DATA_FILE.match(entry)
+        if found is None or entry in keep or (found["tag"] is not None and found["tag"] in live):
+            continue
+        storage.delete(posixpath.join(path, entry))
 
 
 def _clear_uncommitted(storage: Storage, path: str, had_saves: bool) -> None:
@@ -359,8 +396,12 @@ def prepare_target(storage: Storage, path: str, overwrite: bool, lock: SaveLock)
     dead = _dead_entries(storage, path, lock)
     if not marker:
         _restore_replaced(storage, path)
-    elif checkpoint_files(storage, path) is None:
-        _clear_uncommitted(storage, path, had_saves=bool(dead))
+    else:
+        names = checkpoint_files(storage, path)
+        if names is None:
+            _clear_uncommitted(storage, path, had_saves=bool(dead))
+        elif overwrite:  # what replaced checkpoints and crashed overwrites left beside this one
+            _sweep(storage, path, names, _live_tags(storage, path, lock))
     committed = check_target(storage, path, overwrite)
     for leftover in dead:
         storage.delete(leftover)  # left by a save that is over (crashed, or a dead lease)
@@ -368,27 +409,42 @@ def prepare_target(storage: Storage, path: str, overwrite: bool, lock: SaveLock)
 
 
 def _begin(storage: Storage, path: str, overwrite: bool, save_id: str, lock: SaveLock) -> str:
-    marker = storage.commit_mode is CommitMode.MARKER
-    committed = prepare_target(storage, path, overwrite, lock)
-    names = checkpoint_files(storage, path) if committed and marker else None
-    if not marker:
+    prepare_target(storage, path, overwrite, lock)
+    if storage.commit_mode is not CommitMode.MARKER:
         staging = staging_path(path, save_id)
         storage.makedirs(staging)
         return staging
-    lock.ensure_record()  # says "a save is under way" until it commits or is cleaned up
-    if committed:
-        _uncommit(storage, path, names or set())
+    # Says "a save is under way" until it commits or is cleaned up. A checkpoint being replaced
+    # stays committed meanwhile: this save's files are tagged (data_file_tag), so they are not
+    # its files, and its metadata is replaced by one PUT at the commit.
+    lock.ensure_record()
     storage.makedirs(path)
     return path
 
 
 def abandon(storage: Storage, staging: str, path: str, save_id: str) -> None:
-    """Remove what a failed, uncommitted save wrote; a committed checkpoint is left alone."""
-    if storage.commit_mode is CommitMode.MARKER:
-        if not storage.exists(posixpath.join(staging, METADATA_FILE)):
+    """Remove what a failed, uncommitted save wrote; a committed checkpoint is left alone.
+
+    Called after a failure, so it never raises: what it cannot remove is logged, and the next
+    save to the path removes it (the save's error is the one to report)."""
+    try:
+        if storage.commit_mode is not CommitMode.MARKER:
             storage.delete(staging)
-        return
-    storage.delete(staging)
+            return
+        names = checkpoint_files(storage, staging)
+        if names is None:
+            storage.delete(staging)  # nothing committed here: all of it is this save's
+            return
+        # A checkpoint is committed here (the one this save was to replace, or this save's own
+        # if its commit failed after the PUT): only this save's files it does not name go.
+        tag = _tag_of(save_id)
+        for entry in storage.list_dir(staging):
+            found = _DATA_FILE.match(entry)
+            if found is not None and found["tag"] == tag and entry not in names:
+                storage.delete(posixpath.join(staging, entry))
+    except Exception as exc:  # noqa: BLE001 - the save's own error is the one to report
+        log.warning("could not remove what a failed save to %s wrote (the next save to it will): %s",
+                    storage.url(path), exc)
 
 
 def _wait_for_readers(storage: Storage, path: str) -> None:
@@ -401,11 +457,25 @@ def _wait_for_readers(storage: Storage, path: str) -> None:
         time.sleep(0.05)
 
 
+def _drop_replaced(storage: Storage, final: str, save_id: str) -> None:
+    """Object stores, after the metadata PUT: delete the data files the new metadata does not
+    name (the replaced checkpoint's). The save lock is held, so no other save writes here. The
+    save is committed whatever happens now: a failure is logged and the next overwrite retries."""
+    try:
+        names = checkpoint_files(storage, final)
+        if names is not None:
+            _sweep(storage, final, names, {_tag_of(save_id)})
+    except Exception as exc:  # noqa: BLE001 - committed: never undone by a failed clean-up
+        log.warning("%s is committed, but files of the checkpoint it replaced could not be deleted "
+                    "(the next overwrite of it deletes them): %s", storage.url(final), exc)
+
+
 def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id: str) -> None:
     """Make ``staging`` visible as ``final`` (atomic rename; old copy moved aside first, and put
     back if the rename fails). On object stores the metadata the caller wrote into ``final``
-    already committed it."""
+    already committed it; what remains is deleting the files of the checkpoint it replaced."""
     if storage.commit_mode is CommitMode.MARKER:
+        _drop_replaced(storage, final, save_id)
         return
     parent, name = split_checkpoint_path(final)
     replaced = None

@@ -32,6 +32,7 @@ import torch
 from telemetry import span
 
 from ..comm import Communicator, Outcome, host_size_setting
+from ..commit import data_file_name
 from ..errors import RankFailedError
 from ..metadata import ByteMeta, FileMeta, ObjectMeta
 from ..sharding import Box
@@ -60,8 +61,8 @@ class HostLayout:
     leader: int
     members: tuple[int, ...]  # the host's other ranks, ascending
 
-    def file_name(self, kind: str) -> str:
-        return f"{kind}-h{self.host:05d}.safetensors"
+    def file_name(self, kind: str, tag: str = "") -> str:
+        return data_file_name(kind, f"h{self.host:05d}", tag)
 
 
 def resolve(files_per: str | None, host_size: int | None, rank: int, world: int) -> HostLayout | None:
@@ -215,7 +216,7 @@ class _MemberStream:
 
 def receive_and_write(comm: Communicator, layout: HostLayout, storage: Storage, staging: str,
                       pairs: list[tuple[Entry, Source]], error: BaseException | None,
-                      chunk_bytes: int) -> RankWrite:
+                      chunk_bytes: int, file_tag: str = "") -> RankWrite:
     """The leader's write: one file per kind holding its own entries, then each member's."""
     manifests = [comm.recv_object(m) for m in layout.members]  # always first: members wait on it
     blocks = [m.block for m in manifests if m.error is None and any(e.nbytes for e in m.entries)]
@@ -229,14 +230,14 @@ def receive_and_write(comm: Communicator, layout: HostLayout, storage: Storage, 
             lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failed.items()))
             raise RankFailedError(f"host {layout.host}: rank(s) failed before sending their pieces "
                                   f"to the host leader:\n{lines}", failed)
-        return _write_host(layout, storage, staging, pairs, streams, comm.rank, chunk_bytes)
+        return _write_host(layout, storage, staging, pairs, streams, comm.rank, chunk_bytes, file_tag)
     finally:
         for s in streams:
             s.drain()
 
 
 def _write_host(layout: HostLayout, storage: Storage, staging: str, pairs: list[tuple[Entry, Source]],
-                streams: list[_MemberStream], rank: int, chunk_bytes: int) -> RankWrite:
+                streams: list[_MemberStream], rank: int, chunk_bytes: int, file_tag: str) -> RankWrite:
     by_kind = pieces_by_kind(pairs)
     for s in streams:
         kinds = [KIND_ORDER.index(e.kind) for e in s.manifest.entries]
@@ -251,7 +252,7 @@ def _write_host(layout: HostLayout, storage: Storage, staging: str, pairs: list[
     objects: list[ObjectMeta] = []
     # One kind after another: members' streams are read in the order they were sent.
     for kind in (k for k in KIND_ORDER if by_kind[k]):
-        fname = layout.file_name(kind)
+        fname = layout.file_name(kind, file_tag)
         entries = by_kind[kind]
         fmeta, written = write_kind_file(storage, staging, fname, kind, [p for _, p in entries], chunk_bytes,
                                          {"host": str(layout.host), "ranks": ranks}, rank, host=layout.host)
@@ -261,8 +262,10 @@ def _write_host(layout: HostLayout, storage: Storage, staging: str, pairs: list[
 
 
 def write_host(comm: Communicator, layout: HostLayout, storage: Storage, staging: str,
-               pairs: list[tuple[Entry, Source]], error: BaseException | None, chunk_bytes: int) -> RankWrite:
-    """This rank's part of a host-files save: the leader writes, members stream to it."""
+               pairs: list[tuple[Entry, Source]], error: BaseException | None, chunk_bytes: int,
+               file_tag: str = "") -> RankWrite:
+    """This rank's part of a host-files save: the leader writes, members stream to it;
+    ``file_tag`` goes into the file names (``commit.data_file_tag``)."""
     if comm.rank == layout.leader:
-        return receive_and_write(comm, layout, storage, staging, pairs, error, chunk_bytes)
+        return receive_and_write(comm, layout, storage, staging, pairs, error, chunk_bytes, file_tag)
     return send_to_leader(comm, layout, pairs, error, chunk_bytes)

@@ -38,7 +38,7 @@ from telemetry import set_context, span
 from .. import codec, errors, save_lock
 from ..checksums import DEFAULT_CHUNK_BYTES
 from ..comm import Communicator, Outcome, summarize_failures
-from ..commit import prepare_target
+from ..commit import data_file_tag, prepare_target
 from ..devices import on_device
 from ..dtypes import dtype_name
 from ..errors import CheckpointExistsError, PlanningError, RankFailedError, StagingError, StorageError
@@ -382,7 +382,8 @@ def _write(job: _Job, assignment: _Assignment, sources: _Sources, makedirs: bool
             _prepare(job, assignment)
         assert job.flat is not None
         written = write_rank(job.storage, assignment.staging, assignment.items, sources.fns, job.flat,
-                             _objects(job, assignment), job.comm.rank, job.chunk_bytes)
+                             _objects(job, assignment), job.comm.rank, job.chunk_bytes,
+                             file_tag=data_file_tag(job.storage, job.overwrite, assignment.save_id))
         return written, None
     except Exception as exc:
         return None, exc
@@ -406,8 +407,9 @@ def _write_host(job: _Job, host: HostLayout, assignment: _Assignment, sources: _
                              job.comm.rank, tag_rank_objects=True)
     except Exception as exc:
         error = exc
+    tag = data_file_tag(job.storage, job.overwrite, assignment.save_id)
     return host_files.write_host(job.comm, host, job.storage, assignment.staging, pairs, error,
-                                 job.chunk_bytes)
+                                 job.chunk_bytes, tag)
 
 
 def _commit_round(job: _Job, assignment: _Assignment, written: RankWrite | None,

@@ -15,6 +15,7 @@ import torch
 
 from telemetry import span
 
+from ..commit import data_file_name
 from ..dtypes import safetensors_code
 from ..metadata import ByteMeta, FileMeta, ObjectMeta
 from ..planning import WriteItem
@@ -112,13 +113,15 @@ def write_kind_file(storage: Storage, staging: str, fname: str, kind: str, piece
 def write_rank(
     storage: Storage, staging: str, items: list[WriteItem], sources: list[Callable[[], memoryview]],
     flat: FlatState, objects: dict[str, bytes], rank: int, chunk_bytes: int, io_threads: int = 3,
+    file_tag: str = "",
 ) -> RankWrite:
     """Write this rank's files into ``staging``. ``sources[i]`` yields the bytes of ``items[i]``;
-    ``objects`` maps ``shared:<key>`` / ``rank:<key>`` to the packed objects this rank writes."""
+    ``objects`` maps ``shared:<key>`` / ``rank:<key>`` to the packed objects this rank writes;
+    ``file_tag`` goes into the file names (``commit.data_file_tag``)."""
     by_kind = pieces_by_kind(rank_entries(items, sources, flat, objects, rank))
 
     def write_kind(kind: str) -> tuple[FileMeta, list[WrittenPiece]]:
-        return write_kind_file(storage, staging, f"{kind}-{rank:05d}.safetensors", kind,
+        return write_kind_file(storage, staging, data_file_name(kind, f"{rank:05d}", file_tag), kind,
                                [p for _, p in by_kind[kind]], chunk_bytes, {"rank": str(rank)}, rank)
 
     kinds = [k for k in KIND_ORDER if by_kind[k]]
