@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError, RankFailedError
+from .errors import CheckpointError, CheckpointReplacedError, RankFailedError
 
 T = TypeVar("T")
 _GLOO_GROUPS: dict[Any, Any] = {}
@@ -326,11 +326,37 @@ def summarize_failures(outcomes: list[Outcome]) -> Outcome | None:
     return Outcome(value=bad, error=f"failed on {len(bad)} rank(s):\n{lines}")
 
 
+# Errors about the checkpoint itself rather than one rank's part: a rank that did not see one
+# raises it all the same (with the seeing rank's message), so every rank can act on its type.
+_SHARED_ERRORS: dict[str, type[CheckpointError]] = {"CheckpointReplacedError": CheckpointReplacedError}
+
+
+def _shared_error(outcomes: list[Outcome], what: str, local_error: BaseException | None
+                  ) -> BaseException | None:
+    if isinstance(local_error, tuple(_SHARED_ERRORS.values())):
+        return local_error
+    for rank, o in enumerate(outcomes):
+        cls = _SHARED_ERRORS.get(o.error_type or "")
+        if cls is None or o.error is None:
+            continue
+        head, sep, message = o.error.partition(": ")  # "module.ClassName: message"
+        if not (sep and head.endswith(cls.__name__)):
+            message = o.error
+        error = cls(f"{what} failed on rank {rank}: {message}")
+        error.__cause__ = local_error
+        return error
+    return None
+
+
 def raise_failures(outcomes: list[Outcome], what: str, local_error: BaseException | None = None) -> None:
-    """Raise one error naming every failed rank; re-raise the local error type when it is ours."""
+    """Raise one error naming every failed rank; re-raise the local error type when it is ours.
+    An error about the checkpoint itself (``_SHARED_ERRORS``) is raised by every rank."""
     summary = summarize_failures(outcomes)
     if summary is None:
         return
+    shared = _shared_error(outcomes, what, local_error)
+    if shared is not None:
+        raise shared
     # A rank that failed itself raises its own, more specific error.
     if isinstance(local_error, CheckpointError):
         raise local_error
