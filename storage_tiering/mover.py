@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from bytecheckpoint.leases import is_being_read, is_pinned
 from bytecheckpoint.metadata import CheckpointMetadata
 from bytecheckpoint.storage import Storage, open_storage
+from bytecheckpoint.storage.base import abort_quietly
 from bytecheckpoint.storage.local import LocalStorage, fsync_dir
 from telemetry import span
 
@@ -187,7 +188,7 @@ class Mover:
             try:
                 got = digest(lambda off, n: self.hot.read(hot_file, off, n), st.st_size, checks, writer.write)
             except BaseException:
-                writer.abort()
+                abort_quietly(writer)  # a failing abort must not hide why the copy failed
                 raise
             writer.commit()
         if got.bad:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..checksums import chunk_checksums
 from ..storage import Storage
+from ..storage.base import abort_quietly
 
 # Large pieces are written in blocks so hashing and writing interleave in cache.
 _WRITE_BLOCK = 16 << 20
@@ -77,7 +78,7 @@ def write_file(
             written.append(WrittenPiece(offset, p.nbytes, tuple(sums)))
             offset += p.nbytes
     except BaseException:
-        writer.abort()
+        abort_quietly(writer)  # a failing abort must not hide why the write failed
         raise
     size = writer.commit()
     return size, written

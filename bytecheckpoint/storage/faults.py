@@ -10,7 +10,8 @@ Used by tests and drills. A spec is a ``;``-separated list of ``key=value`` sett
                        full disk's write gives it (retried only if that errno is transient)
     latency_s=S        sleep S seconds before each matching call
     truncate_bytes=N   a matching writer silently drops the last N bytes of its file
-    ops=write,read_into    which operations match (default: all; names as in ``OPS``)
+    ops=write,read_into    which operations match (default: all but ``abort``, which only
+                       follows another failure; names as in ``OPS``)
     path=TEXT          only calls whose path contains TEXT
     ranks=1,3          only in these ranks (the ``RANK`` environment variable)
 
@@ -37,7 +38,7 @@ from .wrapper import StorageWrapper
 
 T = TypeVar("T")
 ENV = "BCP_STORAGE_FAULTS"
-OPS = ("open_writer", "write", "commit", "read_into", "size", "list_dir", "is_dir", "makedirs",
+OPS = ("open_writer", "write", "commit", "abort", "read_into", "size", "list_dir", "is_dir", "makedirs",
        "rename", "delete")
 
 
@@ -50,7 +51,7 @@ class FaultSpec:
     errno: int = 0
     latency_s: float = 0.0
     truncate_bytes: int = 0
-    ops: frozenset[str] = frozenset(OPS)
+    ops: frozenset[str] = frozenset(OPS) - {"abort"}
     path: str = ""
     ranks: frozenset[int] | None = None
     seed: int = 0
@@ -181,6 +182,7 @@ class _FaultyWriter(Writer):
         return size + len(self._held)
 
     def abort(self) -> None:
+        self._injector.before("abort", self._path)
         self._inner.abort()
 
 
