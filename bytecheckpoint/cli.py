@@ -125,6 +125,29 @@ def _hot_root(root: str) -> str:
     return os.path.dirname(root) if _is_one_checkpoint(root) else root
 
 
+def _tier_root(hot_root: str, cold_root: str | None, paths: list[str]) -> str:
+    """The hot tier's root when ``hot_root`` is a part of it (one run): the cold tier mirrors the
+    whole hot tier, so a cold link's path minus its target's path under the cold root says where
+    that tier starts. Deletes must count the links of every checkpoint in it (a ``cp -a`` copy
+    elsewhere in the tier shares the cold files), not only those under the directory given."""
+    if cold_root is None:
+        return hot_root
+    real_cold = os.path.realpath(cold_root)
+    for path in paths:
+        for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+            link = os.path.join(os.path.abspath(path), name)
+            if not os.path.islink(link):
+                continue
+            target = os.path.realpath(link)
+            rel = os.path.relpath(target, real_cold)
+            if rel.startswith(os.pardir) or not link.endswith(os.sep + rel):
+                continue
+            tier = link[: -len(rel) - 1] or os.sep
+            if os.path.commonpath([tier, hot_root]) == tier and tier != os.sep:
+                return tier
+    return hot_root
+
+
 def _is_one_checkpoint(root: str) -> bool:
     return os.path.lexists(os.path.join(root, "metadata.msgpack"))
 
@@ -262,6 +285,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     decisions = plan_gc(_catalog(args.root, args.cold), keep_last=args.keep_last, keep_every=args.keep_every)
     decisions.sort(key=lambda d: _step_key(d.checkpoint))
     doomed = [d for d in decisions if d.delete]
+    hot_root = _tier_root(hot_root, cold_root, [d.checkpoint.path for d in doomed])
     act = args.yes
     deleted, failed = [], {}
     if act:
