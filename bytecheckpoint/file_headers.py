@@ -22,12 +22,12 @@ from .dtypes import safetensors_code
 from .metadata import CheckpointMetadata
 from .storage import Storage
 
-# absolute start, end, dtype code, shape, entry name. The name matters to the tools that read
+# absolute start, end, dtype code, shape, entry name(s). The name matters to the tools that read
 # the file by it: two same-shaped entries with swapped names hand them each other's numbers. A
-# box is "<key>@<offsets>"; an object is "__object__/<scope>:<key>", its scope set by how the
-# file was shared, so only the prefix and key are checked (``_OBJECT`` marks that).
-Entry = tuple[int, int, str, tuple[int, ...], str]
-_OBJECT = "__object__/"
+# box is "<key>@<offsets>"; an object "__object__/shared:<key>", or for a per-rank one
+# "__object__/rank:<key>" or, in a file several ranks share, "__object__/rank<r>:<key>". Expected
+# entries carry every name allowed, read ones the name found.
+Entry = tuple[int, int, str, tuple[int, ...], tuple[str, ...]]
 
 
 def expected_entries(meta: CheckpointMetadata, names: set[str]) -> dict[str, list[Entry]]:
@@ -46,12 +46,13 @@ def expected_entries(meta: CheckpointMetadata, names: set[str]) -> dict[str, lis
         offsets = b.offsets[s : s + ndims[t]].tolist()
         out[meta.files[int(b.file[r])].name].append(
             (start, start + int(b.byte_length[r]), codes[t], tuple(b.lengths[s : s + ndims[t]].tolist()),
-             f"{meta.tensors[t].key}@{','.join(map(str, offsets))}"))
+             (f"{meta.tensors[t].key}@{','.join(map(str, offsets))}",)))
     for o in meta.objects:
         if o.bytes.file in names:
             start = o.bytes.byte_offset
+            scopes = ("shared",) if o.rank is None else ("rank", f"rank{o.rank}")
             out[o.bytes.file].append((start, start + o.bytes.byte_length, "U8", (o.bytes.byte_length,),
-                                      f"{_OBJECT}*:{o.key}"))
+                                      tuple(f"__object__/{scope}:{o.key}" for scope in scopes)))
     return out
 
 
@@ -82,18 +83,13 @@ def header_problem(storage: Storage, path: str, name: str, size: int, expected: 
     for w in want:
         names[w[:4]].append(w[4])
     for g in got:
-        match = next((i for i, n in enumerate(names[g[:4]]) if _same_name(g[4], n)), None)
+        match = next((i for i, n in enumerate(names[g[:4]]) if g[4][0] in n), None)
         if match is None:
-            return (f"{url}: its safetensors header names bytes {g[0]}..{g[1]} {g[4]!r}, the metadata "
-                    f"{names[g[:4]][0]!r} (the header was altered)")
+            return (f"{url}: its safetensors header names bytes {g[0]}..{g[1]} {g[4][0]!r}, the metadata "
+                    f"{names[g[:4]][0][0]!r} (the header was altered)")
         names[g[:4]].pop(match)
     return None
 
-
-def _same_name(got: str, want: str) -> bool:
-    if want.startswith(_OBJECT + "*:"):
-        return got.startswith(_OBJECT) and got.endswith(want[len(_OBJECT) + 1:])
-    return got == want
 
 
 def _entries(header: Any, data_start: int) -> list[Entry]:
@@ -107,5 +103,5 @@ def _entries(header: Any, data_start: int) -> list[Entry]:
         if type(dtype) is not str or type(shape) is not list or not all(type(d) is int for d in shape) \
                 or type(start) is not int or type(end) is not int:
             raise TypeError(f"entry {key!r} is malformed")
-        out.append((data_start + start, data_start + end, dtype, tuple(shape), key))
+        out.append((data_start + start, data_start + end, dtype, tuple(shape), (key,)))
     return out

@@ -301,12 +301,17 @@ def storage_case(seed: Seed, path: str, name: str, data: bytes) -> Result:
 
 
 def safetensors_parts(data: bytes) -> tuple[Any, bytes]:
-    """(parsed header or None when unreadable, payload bytes) of a storage file."""
+    """(parsed header or None when unreadable, payload bytes) of a storage file. The header's
+    ``__metadata__`` (free-form notes: format, rank, kind) is left out: no reader takes data
+    through it, and verify does not check it (docs/threat-model.md)."""
     try:
         n = int.from_bytes(data[:8], "little")
         if len(data) < 8 + n:
             return None, data
-        return json.loads(data[8:8 + n]), data[8 + n:]
+        header = json.loads(data[8:8 + n])
+        if isinstance(header, dict):
+            header.pop("__metadata__", None)
+        return header, data[8 + n:]
     except ValueError:
         return None, data
 
