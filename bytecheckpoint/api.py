@@ -62,7 +62,7 @@ def save(
 
     Args:
         path: a local path, ``file://``, ``mem://``, ``shm://``, ``s3://`` or ``hdfs://`` (see
-            the README's Storage section). The checkpoint appears there only once every rank
+            ``docs/storage.md``). The checkpoint appears there only once every rank
             has written its files (atomic commit); ``<parent>/latest`` then names it.
         framework: ``"ddp"``, ``"fsdp"`` (v1), ``"fsdp2"``, ``"dtensor"`` (TP, 2-D meshes),
             ``"manual"`` (``TensorShard`` / Megatron ``ShardedTensor`` dicts) or ``"single"``;

@@ -36,7 +36,7 @@ from .errors import (
 )
 from .redact import redact
 
-# Exit codes (also in the README): scripts may rely on them.
+# Exit codes (also in docs/cli.md): scripts may rely on them.
 EXIT_OK = 0
 EXIT_FAILED = 1  # the check failed: verify found bad files, gc could not delete everything
 EXIT_USAGE = 2  # bad command line or option value

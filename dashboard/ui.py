@@ -70,7 +70,7 @@ def empty_state(message: str) -> NoReturn:
 NO_DATA = ("No checkpoints in the telemetry store yet. Telemetry is spooled by every save and load "
            "(`BCP_TELEMETRY_DIR`); ingest it with `python -m telemetry.ingest --spool DIR --once "
            "--dsn DSN`, then reload. For a first look: `./scripts/demo.sh`, then the commands in the "
-           "README's Dashboard section.")
+           "Dashboard page of the docs (docs/dashboard.md).")
 
 
 def filters() -> tuple[str, str]:

@@ -1,5 +1,5 @@
 """Storage tiering: a cooling service that moves old checkpoints from a hot tier to a cold
-tier while their paths stay the same (DESIGN.md §7, README "Storage tiering").
+tier while their paths stay the same (DESIGN.md §7, docs/tiering.md).
 
     python -m storage_tiering --once --hot /ssd/ckpt --cold /hdd/ckpt --cool-after 7d
 

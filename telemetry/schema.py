@@ -1,7 +1,7 @@
 """The event contract between the code that emits spans and the tables and alert rules that read them.
 
 Everything here is data: the library (``bytecheckpoint/engine``), the storage layer and the
-ingester agree on these names. The README's "Telemetry schema" table says the same in prose.
+ingester agree on these names. The event schema table of docs/telemetry.md says the same in prose.
 
 Event fields (one flat JSON object per finished span)::
 

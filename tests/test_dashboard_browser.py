@@ -1,7 +1,7 @@
 """The dashboard served by ``python -m dashboard`` (streamlit run) on 127.0.0.1, screenshotted
 in headless Chromium: the heatmap and timeline pages must render real charts.
 
-Screenshots are kept in test-artifacts/dashboard/ (the README's pictures come from there).
+Screenshots are kept in test-artifacts/dashboard/ (the pictures in docs/img come from there).
 """
 
 from __future__ import annotations

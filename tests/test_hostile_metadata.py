@@ -373,7 +373,7 @@ def test_a_safetensors_header_edit_fails_load_and_verify(ckpt):
         load_fresh(ckpt)
     problems = verify(ckpt)
     assert len(problems) == 1 and "I32" in problems[0] and name in problems[0]
-    load_fresh(ckpt, verify=False)  # verify=False skips the checks (the README says so)
+    load_fresh(ckpt, verify=False)  # verify=False skips the checks (docs/guide/quickstart.md says so)
 
 
 def test_metadata_over_the_size_limit_is_refused_before_it_is_read(ckpt):

@@ -265,7 +265,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 read.direct = direct_target(read)
                 add_read(reads, (file_index[saved.bytes.file], saved.bytes.byte_offset), read, source)
         # Per-rank objects come from the same rank when the world is unchanged, else from
-        # rank 0 (replicated values such as counters stay right; see README).
+        # rank 0 (replicated values such as counters stay right; see docs/format.md).
         source_rank = comm.rank if meta.world_size == comm.world_size else 0
         if meta.world_size != comm.world_size:
             _check_splittable(meta, flat, comm.world_size)
