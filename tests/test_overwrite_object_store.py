@@ -294,6 +294,33 @@ def test_a_failing_abort_does_not_hide_the_write_failure(tmp_path):
     assert_same_state(flat(make_state(2)), loaded(url))
 
 
+def cached_save_with_a_failing_clean_up(root: str) -> str:
+    """A save under a cached plan where rank 1's write fails and the coordinator cannot delete
+    the staging directory afterwards. Returns the error this rank raised."""
+    import torch.distributed as dist
+
+    state = make_state(1)
+    bcp.save(f"{root}/first", state, step=1)  # plans: the next save of this structure hits the cache
+    rank = dist.get_rank()
+    faults.install("ops=delete;path=.staging-;fail_every=1;permanent=1" if rank == 0 else
+                   "ops=open_writer,write;path=.safetensors;fail_every=1;permanent=1")
+    try:
+        bcp.save(f"{root}/second", state, step=2)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        faults.install(None)
+    return "no error"
+
+
+def test_a_failed_clean_up_after_a_rank_failed_does_not_hide_its_error(world, tmp_path):
+    got = world(2).run(cached_save_with_a_failing_clean_up, str(tmp_path))
+    assert all("permission denied on open_writer" in g or "permission denied on write" in g for g in got), got
+    assert not any("on delete" in g for g in got), got
+    bcp.save(str(tmp_path / "second"), make_state(2), step=2)  # the path takes the next save
+    assert_same_state(flat(make_state(2)), loaded(str(tmp_path / "second")))
+
+
 def test_a_failing_abort_does_not_hide_a_failed_cold_copy(tmp_path):
     from storage_tiering import load_config, run_once
 

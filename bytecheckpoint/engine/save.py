@@ -215,8 +215,8 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
     try:
         failed = summarize_failures(gathered)
         if failed is not None:
-            for v in written:
-                job.storage.delete(v[3])
+            for v in written:  # quietly: the ranks' failure is the error to report
+                abandon(job.storage, v[3], job.path, v[2])
             return [failed] * world
         kinds = {o.value[0] for o in gathered}
         if kinds == {"plan"}:
@@ -230,7 +230,7 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
             return [Outcome(value=("committed", result))] * world
         # Some ranks' caches hit and others' did not: the structure changed on some ranks.
         for v in written:
-            job.storage.delete(v[3])
+            abandon(job.storage, v[3], job.path, v[2])
         if any(o.value[-1] for o in gathered):  # async: the staged copies follow the old plan
             raise PlanningError(
                 "the state structure changed on some ranks but not on others since the last "
@@ -240,7 +240,7 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
         return [Outcome(value=("replan", None))] * world
     except Exception as exc:
         for v in written:
-            job.storage.delete(v[3])
+            abandon(job.storage, v[3], job.path, v[2])
         return [_coordinator_failure(exc)] * world
 
 
