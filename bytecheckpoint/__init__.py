@@ -5,13 +5,10 @@
     bcp.load("ckpt", {"model": model, "optimizer": optim})  # latest, resharded to this layout
 """
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING
 
-from .api import load, pipeline_fqn_map, save  # noqa: E402
-from .engine.async_save import SaveHandle  # noqa: E402
-from .engine.load import LoadResult  # noqa: E402
-from .engine.save import SaveResult  # noqa: E402
-from .errors import (  # noqa: E402
+from ._version import __version__ as __version__
+from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointReplacedError,
@@ -29,9 +26,45 @@ from .errors import (  # noqa: E402
     StorageIOError,
     UnsafeCheckpointError,
 )
-from .extra import RNGState  # noqa: E402
-from .integrity import verify  # noqa: E402
-from .shards import TensorShard  # noqa: E402
+
+# The torch-importing API loads on first use (PEP 562), so `import bytecheckpoint.cli` for
+# `bcp --version` or `bcp --help` does not pay for torch (about 2.5 s).
+_LAZY = {
+    "save": ".api", "load": ".api", "pipeline_fqn_map": ".api",
+    "SaveHandle": ".engine.async_save", "LoadResult": ".engine.load", "SaveResult": ".engine.save",
+    "RNGState": ".extra", "verify": ".integrity", "TensorShard": ".shards",
+}
+
+if TYPE_CHECKING:
+    from .api import load, pipeline_fqn_map, save
+    from .engine.async_save import SaveHandle
+    from .engine.load import LoadResult
+    from .engine.save import SaveResult
+    from .extra import RNGState
+    from .integrity import verify
+    from .shards import TensorShard
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    try:  # `bytecheckpoint.integrity` etc. after a bare `import bytecheckpoint`, as before
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "save", "load", "verify", "pipeline_fqn_map", "TensorShard", "RNGState", "SaveResult", "SaveHandle",

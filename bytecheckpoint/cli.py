@@ -694,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return f"bcp (bytecheckpoint) {__version__}"
 
