@@ -56,7 +56,7 @@ def connect(dsn: str, **kwargs: Any) -> Any:
         import clickhouse_connect
     except ImportError as exc:
         raise StoreConfigError("clickhouse-connect is not installed: pip install "
-                               "'bytecheckpoint[telemetry]'") from exc
+                               "'bytecheckpoint[ingest]'") from exc
     embedded = dsn.startswith("chdb:")
     if embedded:
         location = dsn[len("chdb://"):].partition("?")[0]
@@ -69,7 +69,7 @@ def connect(dsn: str, **kwargs: Any) -> Any:
         return clickhouse_connect.get_client(dsn=dsn, **kwargs)
     except ImportError as exc:
         raise StoreConfigError(f"{exc}; chdb:// DSNs need the chdb package "
-                               "(pip install 'bytecheckpoint[telemetry]')") from exc
+                               "(pip install 'bytecheckpoint[ingest]')") from exc
     except Exception as exc:  # noqa: BLE001 - classified below, re-raised with the cause
         text = str(exc)
         if embedded and ("Cannot lock file" in text or "different path" in text
