@@ -33,6 +33,8 @@ _LAZY = {
     "save": ".api", "load": ".api", "pipeline_fqn_map": ".api",
     "SaveHandle": ".engine.async_save", "LoadResult": ".engine.load", "SaveResult": ".engine.save",
     "RNGState": ".extra", "verify": ".integrity", "TensorShard": ".shards",
+    "CheckpointManager": ".manager", "CheckpointInfo": ".manager", "KeepLast": ".manager",
+    "KeepEvery": ".manager", "KeepBest": ".manager", "KeepNewerThan": ".manager",
 }
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from .engine.save import SaveResult
     from .extra import RNGState
     from .integrity import verify
+    from .manager import CheckpointInfo, CheckpointManager, KeepBest, KeepEvery, KeepLast, KeepNewerThan
     from .shards import TensorShard
 
 
@@ -68,7 +71,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "save", "load", "verify", "pipeline_fqn_map", "TensorShard", "RNGState", "SaveResult", "SaveHandle",
-    "LoadResult",
+    "LoadResult", "CheckpointManager", "CheckpointInfo", "KeepLast", "KeepEvery", "KeepBest", "KeepNewerThan",
     "CheckpointError",
     "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",

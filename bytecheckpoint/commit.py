@@ -542,9 +542,32 @@ def read_latest(storage: Storage, root: str) -> Latest | None:
     return Latest(name, step)
 
 
+def _user_metadata(storage: Storage, path: str) -> dict | None:
+    """The user metadata of the checkpoint at ``path``; None where it cannot be read."""
+    try:
+        meta_path = posixpath.join(path, METADATA_FILE)
+        if storage.size(meta_path) > MAX_METADATA_CHECK_BYTES:
+            return None
+        raw = bytes(storage.read(meta_path))
+        return CheckpointMetadata.from_bytes(raw, source=storage.url(path)).user_metadata
+    except (OSError, CorruptCheckpointError):
+        return None
+
+
+def _keeps_pointer(storage: Storage, parent: str, current: Latest, final: str) -> bool:
+    """``latest`` names a later step than the new checkpoint: it stays unless the new one is on
+    a timeline that abandoned it (a rollback, see :mod:`.manager.timeline`)."""
+    from .manager.timeline import abandons
+
+    old = _user_metadata(storage, posixpath.join(parent, current.name))
+    new = _user_metadata(storage, final)
+    return old is None or new is None or not abandons(new, old, current.step)
+
+
 def update_latest(storage: Storage, final: str, step: int | None, save_id: str) -> bool:
     """Point ``<parent>/latest`` at ``final`` unless it already names a later step (of a
-    checkpoint that exists). An unreadable pointer is replaced."""
+    checkpoint that exists) on the new checkpoint's timeline: a checkpoint saved after a
+    rollback moves it back. An unreadable pointer is replaced."""
     parent, name = split_checkpoint_path(final)
     with save_lock.pointer_lock(storage, parent):
         try:
@@ -553,7 +576,8 @@ def update_latest(storage: Storage, final: str, step: int | None, save_id: str) 
             log.warning("replacing an unreadable latest pointer: %s", exc)
             current = None
         if (current is not None and step is not None and current.step is not None and current.step > step
-                and storage.exists(posixpath.join(parent, current.name, METADATA_FILE))):
+                and storage.exists(posixpath.join(parent, current.name, METADATA_FILE))
+                and _keeps_pointer(storage, parent, current, final)):
             return False
         doc = json.dumps({"checkpoint": name, "step": step, "time": time.time()}).encode()
         if storage.commit_mode is CommitMode.MARKER:

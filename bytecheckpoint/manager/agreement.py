@@ -1,0 +1,75 @@
+"""How every rank learns what one rank saw (a preemption signal, a save request, its clock),
+without a collective on every training step.
+
+Each rank keeps its flags locally (setting one is an assignment: a signal handler may do it).
+Every ``check_every`` steps each rank starts a non-blocking MAX all-reduce of its flags on a
+gloo group of its own, and takes the result of the one it started ``check_every`` steps
+before; that result is the decision, identical on every rank, at the same step. A step with
+no check costs one modulo; a check costs starting a tiny all-reduce and collecting one that
+finished long ago. A flag set at step ``s`` is acted on within ``2 * check_every`` steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STOP, SAVE = 0, 1  # flag positions
+
+
+@dataclass(frozen=True)
+class Agreed:
+    stop: bool = False
+    save: bool = False
+
+
+class Agreement:
+    def __init__(self, process_group: Any = None, check_every: int = 4) -> None:
+        self.check_every = check_every
+        self.flags = [0, 0]  # this rank's: written by signal handlers and the schedule
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._group = None
+        if self._distributed:
+            group = process_group if process_group is not None else dist.group.WORLD
+            ranks = dist.get_process_group_ranks(group)
+            # Its own group: the all-reduce in flight never interleaves with training's or saves'.
+            self._group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def poll(self, step: int) -> Agreed | None:
+        """The agreed flags at this step (None when this step has no check)."""
+        if step % self.check_every:
+            return None
+        if not self._distributed:
+            agreed = Agreed(bool(self.flags[STOP]), bool(self.flags[SAVE]))
+            self.flags[SAVE] = 0
+            return agreed
+        agreed = Agreed()
+        if self._pending is not None:
+            work, tensor = self._pending
+            work.wait()
+            agreed = Agreed(bool(tensor[STOP]), bool(tensor[SAVE]))
+        tensor = torch.tensor(self.flags, dtype=torch.int32)
+        self.flags[SAVE] = 0  # sent: a save request is acted on once
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, tensor)
+        return agreed
+
+    def now(self) -> Agreed:
+        """Agree at once (a blocking all-reduce): for the loop's end, where no later check comes."""
+        if not self._distributed:
+            return Agreed(bool(self.flags[STOP]), bool(self.flags[SAVE]))
+        tensor = torch.tensor(self.flags, dtype=torch.int32)
+        self.close()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        return Agreed(bool(tensor[STOP]), bool(tensor[SAVE]))
+
+    def close(self) -> None:
+        """Collect the all-reduce in flight (every rank started it, so every rank must)."""
+        if self._pending is not None:
+            work, _ = self._pending
+            self._pending = None
+            work.wait()

@@ -1,0 +1,408 @@
+"""``CheckpointManager``: when to save, what to keep, where to resume, for a training loop.
+
+    mgr = bcp.CheckpointManager("ckpt", save_every_steps=100, last_step=steps,
+                                retention=bcp.KeepLast(3) | bcp.KeepEvery(1000), preemption=True)
+    start = mgr.restore(state) or 0          # None on a fresh start
+    for step in range(start + 1, steps + 1):
+        train_step()
+        mgr.save(step, state)                # saves when the schedule says so (async)
+        if mgr.stop_requested:               # SIGTERM / SIGUSR1 reached some rank: saved, stop
+            break
+    mgr.close()
+
+Every rank makes the same calls. Rank 0 of the group decides what all ranks need to agree on
+(the checkpoint to restore, a new checkpoint's name and timeline) and broadcasts it; it alone
+applies retention, after a save commits. See docs/guide/manager.md for the rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import posixpath
+import signal
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from .. import save_lock
+from ..api import check_step, load
+from ..api import save as _save
+from ..comm import Communicator, Outcome
+from ..errors import (
+    CheckpointError,
+    ConcurrentSaveError,
+    InvalidArgumentError,
+    NotACheckpointError,
+)
+from ..leases import is_being_read, is_pinned
+from ..metadata import METADATA_FILE
+from ..storage import open_storage
+from .agreement import SAVE, STOP, Agreed, Agreement
+from .records import CheckpointInfo, RootListing
+from .retention import Context, Policy, plan_deletions
+from .schedule import Schedule
+from .timeline import MANAGER_KEY, Timeline
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_ACTIVE: dict[str, int] = {}  # root URL -> id of the open manager on it, in this process
+_ACTIVE_LOCK = threading.Lock()
+_ERRORS = {c.__name__: c for c in (NotACheckpointError, InvalidArgumentError, ConcurrentSaveError)}
+
+
+def _release_root(key: str, owner: int) -> None:
+    with _ACTIVE_LOCK:
+        if _ACTIVE.get(key) == owner:
+            del _ACTIVE[key]
+
+
+class CheckpointManager:
+    """Saves on a schedule, keeps what a retention policy says, restores and rolls back.
+
+    Args:
+        root: the directory (any storage URL) holding this run's checkpoints, one per save,
+            named ``step_<N>``, and the ``latest`` pointer.
+        save_every_steps: save when ``step % N == 0``.
+        save_every_seconds: save when this much wall time passed since the last save (agreed
+            between ranks at the next check, so within ``2 * check_every`` steps).
+        last_step: the loop's final step, always saved.
+        retention: a policy (:class:`KeepLast`, :class:`KeepEvery`, :class:`KeepBest`,
+            :class:`KeepNewerThan`, combined with ``|`` and ``&``); None keeps everything.
+        async_save: save in the background (one save in flight; the next waits for it).
+        preemption: ``True`` (SIGTERM and SIGUSR1) or the signals to handle: a signal on any rank
+            makes every rank save at the same step, then :attr:`stop_requested` turns True.
+        check_every: steps between the ranks' agreements on signals, requests and time.
+        process_group: the ranks taking part (default: all).
+        record_step_time: emit a ``train.step`` telemetry span per step (time between calls to
+            :meth:`save`), which the dashboard's goodput page reads.
+        save_kwargs: passed to :func:`bytecheckpoint.save` (``framework``, ``files_per``, ...).
+    """
+
+    def __init__(self, root: str, *, save_every_steps: int | None = None,
+                 save_every_seconds: float | None = None, last_step: int | None = None,
+                 retention: Policy | None = None, async_save: bool = True,
+                 preemption: bool | Iterable[int] = False, check_every: int = 8,
+                 process_group: Any = None, record_step_time: bool = False,
+                 save_kwargs: dict[str, Any] | None = None) -> None:
+        if retention is not None and not isinstance(retention, Policy):
+            raise InvalidArgumentError(f"retention={retention!r} is not a retention policy (KeepLast, "
+                                       "KeepEvery, KeepBest, KeepNewerThan, combined with | and &)")
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise InvalidArgumentError(f"check_every={check_every!r}: give a whole number of steps >= 1")
+        self.schedule = Schedule(save_every_steps, save_every_seconds, last_step)
+        self.retention = retention
+        self.async_save = async_save
+        self.process_group = process_group
+        self.record_step_time = record_step_time
+        self.save_kwargs = dict(save_kwargs or {})
+        for reserved in ("step", "async_save", "process_group", "user_metadata", "overwrite"):
+            if reserved in self.save_kwargs:
+                raise InvalidArgumentError(f"save_kwargs may not set {reserved!r}: the manager sets it")
+        self.storage, self.root = open_storage(root)
+        self.root = self.root.rstrip("/") or self.root
+        self.url = self.storage.url(self.root)
+        self._check_root()
+        self._key = self.url
+        with _ACTIVE_LOCK:
+            if self._key in _ACTIVE:
+                raise ConcurrentSaveError(
+                    f"another CheckpointManager of this process is open on {self.url}: two managers on "
+                    "one root would delete each other's checkpoints and fight over 'latest'. Use one "
+                    "manager per root (close() the other first), or give each run its own root")
+            _ACTIVE[self._key] = id(self)
+        self._finalizer = weakref.finalize(self, _release_root, self._key, id(self))
+        try:
+            self.comm = Communicator(process_group)
+            self.agreement = Agreement(process_group, check_every)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.listing = RootListing(self.storage, self.root)
+        self._timeline: Timeline | None = None  # set by restore() or the first save
+        self._last_step: int | None = None  # the newest step saved or restored on this timeline
+        self._handle: Any = None
+        self._pending_step: int | None = None
+        self._decided: tuple[int, Agreed | None] | None = None
+        self._stop = False
+        self._closed = False
+        self._step_t0: float | None = None
+        self._old_handlers: dict[int, Any] = {}
+        if preemption:
+            self._install(DEFAULT_SIGNALS if preemption is True else tuple(preemption))
+
+    # -- checks ------------------------------------------------------------------------------
+    def _check_root(self) -> None:
+        try:
+            self.storage.size(self.root)
+            is_file = True
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            is_file = False
+        if is_file:
+            raise NotACheckpointError(
+                f"{self.url} is a file, not a directory of checkpoints; give the directory the "
+                "manager should keep this run's checkpoints in")
+        if self.storage.exists(posixpath.join(self.root, METADATA_FILE)):
+            parent = posixpath.dirname(self.root)
+            raise NotACheckpointError(
+                f"{self.url} is one checkpoint, not a root of checkpoints; give the directory that "
+                f"holds the run's checkpoints (its parent, {self.storage.url(parent)}?)")
+
+    def _agreed(self, outcome: Outcome | None) -> Any:
+        """Rank 0's decision on every rank; its error raised on every rank, by name."""
+        got = self.comm.broadcast(outcome)
+        if got.error is not None:
+            raise _ERRORS.get(got.error_type or "", CheckpointError)(got.error)
+        return got.value
+
+    def _decide(self, fn: Any, *args: Any) -> Any:
+        outcome = None
+        if self.comm.is_coordinator:
+            try:
+                outcome = Outcome(value=fn(*args))
+            except CheckpointError as exc:
+                outcome = Outcome(error=str(exc), error_type=type(exc).__name__)
+        return self._agreed(outcome)
+
+    # -- preemption --------------------------------------------------------------------------
+    def _install(self, signals: tuple[int, ...]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise InvalidArgumentError("preemption handlers can only be installed from the main thread "
+                                       "(Python delivers signals there); create the manager there")
+        for sig in signals:
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.agreement.flags[STOP] = 1  # an assignment: safe in a handler; acted on at a check
+
+    def request_save(self) -> None:
+        """Ask for a save soon (within ``2 * check_every`` steps); may be called on one rank only."""
+        self.agreement.flags[SAVE] = 1
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once a preemption signal reached the ranks' agreement and its save was made:
+        leave the training loop."""
+        return self._stop
+
+    # -- the schedule ------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` at ``step`` saves: by the step, or by what the ranks agreed
+        (a signal, a request, the clock). Every rank must call it (or ``save``) every step."""
+        step = check_step(step)
+        assert step is not None
+        if self._decided is None or self._decided[0] != step:
+            if self.schedule.time_due():
+                self.agreement.flags[SAVE] = 1
+            self._decided = (step, self.agreement.poll(step))
+            self._step_time()
+        agreed = self._decided[1]
+        return self.schedule.step_due(step) or (agreed is not None and (agreed.stop or agreed.save))
+
+    def _step_time(self) -> None:
+        if not self.record_step_time:
+            return
+        now = time.perf_counter()
+        if self._step_t0 is not None:
+            with contextlib.suppress(Exception):  # telemetry never raises into training
+                import telemetry
+
+                span = telemetry.span("train.step")
+                span._t0 = self._step_t0  # the step began at the previous call
+                with span:
+                    pass
+        self._step_t0 = now
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None,
+             force: bool = False) -> bool:
+        """Save ``state`` as step ``step`` if the schedule says so (or ``force``); return whether
+        a save was started. Asynchronous unless ``async_save=False`` or preempted: the previous
+        save is finished first, then retention runs on what has committed."""
+        self._check_open()
+        step = check_step(step)
+        assert step is not None
+        due = self.should_save(step)
+        agreed = self._decided[1] if self._decided else None
+        stopping = agreed is not None and agreed.stop
+        if not (due or force):
+            return False
+        metrics = self._check_metrics(metrics)
+        self.wait()
+        if self._last_step is not None and step <= self._last_step:
+            raise InvalidArgumentError(
+                f"step {step} is not after step {self._last_step}, the last one saved or restored on this "
+                "timeline; nothing was saved (to redo from an earlier step, restore(state, step=...) first)")
+        name, timeline = self._decide(self._name_for, step)
+        self._timeline = timeline
+        record = timeline.record() | ({"metrics": metrics} if metrics else {})
+        result = _save(self.storage.url(posixpath.join(self.root, name)), state, step=step,
+                       user_metadata={MANAGER_KEY: record}, process_group=self.process_group,
+                       async_save=self.async_save and not stopping, **self.save_kwargs)
+        self._last_step = step
+        self.schedule.saved()
+        self._handle, self._pending_step = result, step
+        if not (self.async_save and not stopping):
+            self.wait()
+        if stopping:
+            self._stop = True
+        return True
+
+    @staticmethod
+    def _check_metrics(metrics: Any) -> dict[str, float] | None:
+        if metrics is None:
+            return None
+        if not isinstance(metrics, dict):
+            raise InvalidArgumentError(f"metrics={metrics!r}: give a dict of name -> number")
+        out = {}
+        for k, v in metrics.items():
+            try:
+                out[str(k)] = float(v)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"metrics[{k!r}]={v!r} is not a number; nothing was saved") from None
+        return out
+
+    def _name_for(self, step: int) -> tuple[str, Timeline]:
+        """Rank 0: the new checkpoint's name (``step_<N>``; with the timeline's id where an
+        abandoned checkpoint holds that name) and its timeline."""
+        timeline = self._timeline
+        if timeline is None:  # saving without restore(): continue the live timeline, if any
+            live = [c for c in self.listing.list(details=False) if not c.abandoned]
+            latest = [c for c in live if c.latest] or live[-1:]
+            timeline = latest[0].timeline if latest else Timeline(uuid.uuid4().hex[:16])
+        name = f"step_{step}"
+        if self.storage.exists(posixpath.join(self.root, name)):
+            name = f"step_{step}-{timeline.id[:8] or 'x'}"
+        return name, timeline
+
+    def wait(self) -> None:
+        """Wait for the save in flight (raising its error), then apply retention."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        if hasattr(handle, "wait"):
+            handle.wait()
+        if self.retention is not None and self.comm.is_coordinator:
+            self._retain()
+
+    # -- retention -----------------------------------------------------------------------------
+    def _retain(self) -> None:
+        """Rank 0, after a commit: delete what the policy does not keep (never a protected one).
+        A failure is logged: the checkpoint just saved is committed whatever happens here."""
+        try:
+            decisions = plan_deletions(self.listing.list(), self.retention, context=Context(now=time.time()))
+        except InvalidArgumentError as exc:
+            log.warning("%s: retention skipped: %s", self.url, exc)
+            return
+        for d in decisions:
+            if d.delete:
+                try:
+                    self._delete(d.checkpoint)
+                except Exception as exc:  # noqa: BLE001 - retention never fails a training step
+                    log.warning("%s: could not delete %s: %s", self.url, d.checkpoint.name, exc)
+
+    def _delete(self, c: CheckpointInfo) -> None:
+        path = posixpath.join(self.root, c.name)
+        if c.tier not in ("hot", self.storage.scheme):
+            log.warning("%s is cooled to another tier (its files are links); retention leaves it: "
+                        "delete it with `bcp gc --cold COLD_ROOT`", c.url)
+            return
+        lock = save_lock.try_acquire(self.storage, path, f"retention-{uuid.uuid4().hex[:8]}")
+        if lock is None:
+            return  # a save or repair holds the path: not ours to delete now
+        try:
+            # Checked again under the lock: a pin or a reader may have come meanwhile.
+            if is_pinned(self.storage, path) or is_being_read(self.storage, path):
+                return
+            self.storage.delete(posixpath.join(path, METADATA_FILE))  # uncommitted first
+            self.storage.delete(path)
+        finally:
+            lock.release()
+
+    # -- reading ------------------------------------------------------------------------------
+    def steps(self) -> list[CheckpointInfo]:
+        """The root's committed checkpoints, oldest step first: step, time, size, tier,
+        whether abandoned by a rollback, whether ``latest`` names it, metrics."""
+        return self.listing.list()
+
+    def latest_step(self) -> int | None:
+        """The step ``latest`` names (the newest save of the live timeline), or None."""
+        found = [c for c in self.listing.list(details=False) if c.latest]
+        if found:
+            return found[0].step
+        live = [c for c in self.listing.list(details=False) if not c.abandoned]
+        return live[-1].step if live else None
+
+    def _choose(self, step: int | None) -> tuple[str | None, int | None, Timeline]:
+        """Rank 0: the checkpoint to restore and the timeline the run continues on."""
+        found = self.listing.list(details=False)
+        live = [c for c in found if not c.abandoned and c.problem is None]
+        if step is None:
+            if not live:
+                if found:
+                    raise NotACheckpointError(f"{self.url}: no checkpoint here can be restored ("
+                                              f"{found[-1].name}: {found[-1].problem})")
+                return None, None, Timeline(uuid.uuid4().hex[:16])
+            pick = next((c for c in live if c.latest), live[-1])
+        else:
+            same = [c for c in found if c.step == step and c.problem is None]
+            if not same:
+                have = ", ".join(str(c.step) for c in found if c.step is not None) or "none"
+                raise NotACheckpointError(
+                    f"{self.url} holds no committed checkpoint of step {step}; the steps it holds: {have}")
+            pick = next((c for c in same if not c.abandoned), same[-1])
+        newest_live = next((c for c in live if c.latest), live[-1] if live else None)
+        if newest_live is not None and pick.name == newest_live.name:
+            return pick.name, pick.step, pick.timeline  # resuming where the live timeline ends
+        return pick.name, pick.step, pick.timeline.branch(pick.step or 0, uuid.uuid4().hex[:16])
+
+    def restore(self, state: dict[str, Any], step: int | None = None, **load_kwargs: Any) -> int | None:
+        """Load the checkpoint ``latest`` names (or the one of ``step``) into ``state``; return its
+        step, or None on a fresh start (nothing saved yet: ``state`` is left as it is). Restoring
+        any checkpoint but the latest starts a new timeline from it: the next save becomes
+        ``latest`` even at a lower step, and the checkpoints after it are abandoned (kept)."""
+        self._check_open()
+        step = check_step(step)
+        self.wait()
+        name, found_step, timeline = self._decide(self._choose, step)
+        self._timeline = timeline
+        if name is None:
+            return None
+        load(self.storage.url(posixpath.join(self.root, name)), state, process_group=self.process_group,
+             **load_kwargs)
+        self._last_step = found_step
+        return found_step
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"this CheckpointManager on {self.url} is closed")
+
+    def close(self) -> None:
+        """Finish the save in flight and retention, restore the signal handlers, free the root."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+            self.agreement.close()
+        finally:
+            self._closed = True
+            for sig, old in self._old_handlers.items():
+                with contextlib.suppress(ValueError, TypeError):
+                    signal.signal(sig, old)
+            self._finalizer()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.url!r})"
+

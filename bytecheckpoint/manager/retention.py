@@ -1,0 +1,213 @@
+"""Retention: which committed checkpoints to keep, as small composable policies.
+
+Shaped like Orbax's preservation policies and the tiering service's: each policy is a frozen
+dataclass with one method, ``select(checkpoints, *, context) -> list[bool]`` (True = keep),
+output aligned with input; the clock comes in through the context. ``a | b`` keeps what
+either keeps, ``a & b`` what both keep.
+
+A policy only proposes. :func:`plan_deletions` applies one to the checkpoints of the live
+timeline and never deletes a *protected* checkpoint, whatever the policy says: one named by
+``latest``, pinned, being read (a lease), being saved, abandoned by a rollback (kept until a
+person deletes it), or one that cannot be classified. Abandoned checkpoints take no place in
+the policy's counts (``KeepLast(2)`` keeps the two newest of the live timeline).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import InvalidArgumentError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    now: float  # seconds since the epoch, as the checkpoints' ``time``
+
+
+class Checkpoint(Protocol):
+    """What a policy reads of a checkpoint."""
+
+    step: int | None
+    time: float
+    metrics: dict[str, float]
+
+
+class Policy:
+    """Base of the policies: ``|`` and ``&`` combine them."""
+
+    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
+        raise NotImplementedError
+
+    def __or__(self, other: Policy) -> AnyOf:
+        return AnyOf((self, _policy(other)))
+
+    def __and__(self, other: Policy) -> AllOf:
+        return AllOf((self, _policy(other)))
+
+
+def _policy(p: Any) -> Policy:
+    if not isinstance(p, Policy):
+        raise InvalidArgumentError(f"{p!r} is not a retention policy (KeepLast, KeepEvery, KeepBest, "
+                                   "KeepNewerThan, or a combination of them with | and &)")
+    return p
+
+
+def _count(name: str, k: Any) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidArgumentError(
+            f"{name}({k!r}) would keep no checkpoint, so retention would delete every one: give a "
+            "whole number >= 1 (or no retention policy to keep everything)")
+
+
+def _order(c: Any) -> tuple[int, float]:
+    return (c.step if isinstance(c.step, int) else -1, c.time)
+
+
+@dataclass(frozen=True)
+class KeepLast(Policy):
+    """The ``k`` newest checkpoints (by step, then time)."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        _count("KeepLast", self.k)
+
+    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
+        newest = sorted(range(len(checkpoints)), key=lambda i: _order(checkpoints[i]), reverse=True)
+        keep = set(newest[: self.k])
+        return [i in keep for i in range(len(checkpoints))]
+
+
+@dataclass(frozen=True)
+class KeepEvery(Policy):
+    """Checkpoints whose step is a multiple of ``k``."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        _count("KeepEvery", self.k)
+
+    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
+        return [isinstance(c.step, int) and c.step % self.k == 0 for c in checkpoints]
+
+
+@dataclass(frozen=True)
+class KeepBest(Policy):
+    """The ``k`` checkpoints with the best value of ``metric`` (recorded by ``save(...,
+    metrics={...})``); ``mode`` is ``"min"`` (a loss) or ``"max"`` (an accuracy). Checkpoints
+    without the metric (or with NaN) are not among the best."""
+
+    k: int
+    metric: str
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        _count("KeepBest", self.k)
+        if self.mode not in ("min", "max"):
+            raise InvalidArgumentError(f"KeepBest(mode={self.mode!r}): give 'min' or 'max'")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise InvalidArgumentError(f"KeepBest(metric={self.metric!r}): give the metric's name")
+
+    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
+        scored = [(c.metrics.get(self.metric), i) for i, c in enumerate(checkpoints)]
+        scored = [(v, i) for v, i in scored if v is not None and not math.isnan(v)]
+        scored.sort(key=lambda x: (x[0] if self.mode == "min" else -x[0], -_order(checkpoints[x[1]])[0]))
+        keep = {i for _, i in scored[: self.k]}
+        return [i in keep for i in range(len(checkpoints))]
+
+
+@dataclass(frozen=True)
+class KeepNewerThan(Policy):
+    """Checkpoints saved less than ``seconds`` ago."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        s = self.seconds
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
+            raise InvalidArgumentError(
+                f"KeepNewerThan({self.seconds!r}) would keep no checkpoint: give a duration in seconds > 0")
+
+    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
+        return [context.now - c.time < self.seconds for c in checkpoints]
+
+
+@dataclass(frozen=True)
+class AnyOf(Policy):
+    policies: tuple[Policy, ...]
+
+    def __post_init__(self) -> None:
+        for p in self.policies:
+            _policy(p)
+
+    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
+        masks = [p.select(checkpoints, context=context) for p in self.policies]
+        return [any(m[i] for m in masks) for i in range(len(checkpoints))]
+
+
+@dataclass(frozen=True)
+class AllOf(Policy):
+    policies: tuple[Policy, ...]
+
+    def __post_init__(self) -> None:
+        for p in self.policies:
+            _policy(p)
+
+    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
+        masks = [p.select(checkpoints, context=context) for p in self.policies]
+        return [all(m[i] for m in masks) for i in range(len(checkpoints))]
+
+
+def protected_reason(c: Any) -> str | None:
+    """Why ``c`` may never be deleted by retention (None if it may). Reads the attributes the
+    manager's records and the tiering catalog share: ``problem``, ``committed``, ``staging``,
+    ``pinned``, ``being_read``, ``latest``, ``abandoned`` (absent = False)."""
+    if getattr(c, "problem", None) is not None:
+        return f"cannot be classified: {c.problem}"
+    if not getattr(c, "committed", True):
+        return "a save is being written" if getattr(c, "staging", False) else "uncommitted"
+    if getattr(c, "staging", False):
+        return "a save to this path is under way"
+    if getattr(c, "pinned", False):
+        return "pinned"
+    if getattr(c, "being_read", False):
+        return "being read (lease)"
+    if getattr(c, "latest", False):
+        return "named by latest"
+    if getattr(c, "abandoned", False):
+        return "abandoned by a rollback (kept until deleted by hand)"
+    return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    checkpoint: Any
+    delete: bool
+    reason: str
+
+
+def plan_deletions(checkpoints: Sequence[Any], policy: Policy, *, context: Context) -> list[Decision]:
+    """One decision per checkpoint. The policy sees only the checkpoints it may count (committed,
+    classifiable, not abandoned); protected ones are kept whatever it says. A policy that keeps
+    none of them is refused (nothing is deleted)."""
+    counted = [c for c in checkpoints if getattr(c, "committed", True) and getattr(c, "problem", None) is None
+               and not getattr(c, "abandoned", False)]
+    mask = policy.select(counted, context=context) if counted else []
+    if counted and not any(mask):
+        raise InvalidArgumentError(
+            f"the retention policy {policy!r} keeps none of the {len(counted)} checkpoints, so it "
+            "would delete every one; nothing was deleted. Add KeepLast(1) to it with |")
+    kept = {id(c) for c, k in zip(counted, mask) if k}
+    out = []
+    for c in checkpoints:
+        why = protected_reason(c)
+        if why is not None:
+            out.append(Decision(c, False, why))
+        elif id(c) in kept:
+            out.append(Decision(c, False, "kept by the retention policy"))
+        else:
+            out.append(Decision(c, True, "not kept by the retention policy"))
+    return out
