@@ -67,6 +67,11 @@ def resolve(url: str) -> tuple[Storage, str]:
         found = _find(storage, path)
         if found is not None:
             return storage, found
+    from .interop.dcp_load import open_dcp  # a PyTorch DCP directory, read as it is
+
+    dcp = open_dcp(storage, path)
+    if dcp is not None:
+        return dcp, path
     latest = read_latest(storage, path)
     if latest is not None:
         raise NotACheckpointError(

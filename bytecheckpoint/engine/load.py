@@ -181,6 +181,7 @@ class _LocalPlan:
     needs: list[Need]
     problems: list[StateMismatchError]
     identity: bytes = b""  # digest of the metadata this load started from
+    verify: bool = True  # False where the checkpoint stores no checksums (a DCP directory)
 
 
 def _check_unchanged(storage: Storage, path: str, identity: bytes,
@@ -227,6 +228,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 verify: bool, fqn_map: Callable[[str], str] | None) -> _LocalPlan:
     with span("load.metadata"):
         storage, path, meta, identity = _open_checkpoint(url)
+    verify = verify and getattr(storage, "checksummed", True)
     saved_keys = {tm.key for tm in meta.tensors} | {o.key for o in meta.objects}
     flat = flatten_state(
         state, for_load=True, fqn_map=fqn_map,
@@ -287,7 +289,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
             _check_unchanged(storage, path, identity, exc)
             raise
     needs = [Need(f, r.byte_offset, r.byte_length, r.lo, r.hi) for (f, _), r in reads.items()]
-    return _LocalPlan(storage, path, meta, flat, reads, needs, problems, identity)
+    return _LocalPlan(storage, path, meta, flat, reads, needs, problems, identity, verify)
 
 
 def _exchange_device(plan: _LocalPlan, process_group: Any) -> torch.device | None:
@@ -377,7 +379,7 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
     pipeline = LoadPipeline(
         plan.storage, plan.path, units, plan.reads,
         rank=comm.rank, group=transport.group, global_rank=lambda r: comm.global_ranks[r],
-        threads=threads, verify=verify, chunk_bytes=plan.meta.chunk_bytes, device=transport.device,
+        threads=threads, verify=plan.verify, chunk_bytes=plan.meta.chunk_bytes, device=transport.device,
         batched=transport.batched, control=comm.group, distributed=comm.distributed,
     )
     outcome = pipeline.run()

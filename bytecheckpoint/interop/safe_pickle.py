@@ -1,0 +1,135 @@
+"""A restricted unpickler: only the globals a format names are admitted, as inert stand-ins.
+
+The standard unpickler imports and calls whatever a pickle names (``os.system`` in a
+``__reduce__``), so a pickle from an untrusted checkpoint must never reach it. Here every
+global goes through :meth:`SafeUnpickler.find_class`, which returns the stand-in registered for
+that exact ``module.name`` (a plain function or record class of this module, never the real
+class) and refuses anything else with :class:`UnsafePickleError` naming it. Persistent ids (the
+storages of a ``torch.save`` file) are refused unless the caller supplies a handler.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import UnsafeCheckpointError
+
+# A pickle larger than this is not metadata anyone writes; refuse before reading it.
+MAX_PICKLE_BYTES = 1 << 30
+
+
+class UnsafePickleError(UnsafeCheckpointError):
+    """A pickle names a class or function outside the admitted list (it could run code)."""
+
+
+class Record:
+    """The stand-in of an admitted class: keeps its constructor arguments and pickled state
+    as plain data (``args``, ``state``), runs none of the real class's code."""
+
+    qualname = "Record"
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any) -> Record:
+        # Both REDUCE (a call) and NEWOBJ (``cls.__new__``) land here.
+        self = object.__new__(cls)
+        self.args, self.state = args, None
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def field(self, name: str, default: Any = None) -> Any:
+        """A field of a dataclass-like state (a dict, or a (dict, slots) pair)."""
+        state = self.state
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}
+        if isinstance(state, dict):
+            return state.get(name, default)
+        return default
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname} args={self.args!r} state={self.state!r}>"
+
+
+def record_class(qualname: str) -> type[Record]:
+    """A fresh Record subclass standing in for ``qualname`` (so ``isinstance`` tells them apart).
+    Callers build their stand-ins per load: a pickle may set attributes on the stand-ins it
+    names (BUILD), and that must not outlive the one load."""
+    return type(f"Record[{qualname}]", (Record,), {"qualname": qualname})
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickles with the globals in ``allowed`` (``"module.name"`` -> stand-in) only."""
+
+    def __init__(self, data: bytes, allowed: Mapping[str, Any], *, source: str,
+                 persistent: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._source = source
+        self._persistent = persistent
+
+    def find_class(self, module: str, name: str) -> Any:
+        stand_in = self._allowed.get(f"{module}.{name}")
+        if stand_in is None:
+            raise UnsafePickleError(
+                f"{self._source}: the pickle names {module}.{name}, which is not among the classes "
+                "this format may hold; refusing to load it (it could run code). Only load it with "
+                "PyTorch's own tools if you trust where it came from"
+            )
+        return stand_in
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise UnsafePickleError(f"{self._source}: the pickle refers to external data "
+                                    f"({_short(pid)}), which this value may not hold")
+        return self._persistent(pid)
+
+
+def safe_loads(data: bytes, allowed: Mapping[str, Any], *, source: str,
+               persistent: Callable[[Any], Any] | None = None) -> Any:
+    """Unpickle ``data`` with only ``allowed`` globals; any other failure is a named error."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise UnsafeCheckpointError(f"{source}: a pickle of {len(data)} bytes is over the limit "
+                                    f"of {MAX_PICKLE_BYTES}; refusing to decode it")
+    try:
+        return SafeUnpickler(data, allowed, source=source, persistent=persistent).load()
+    except UnsafeCheckpointError:
+        raise
+    except RecursionError as exc:
+        raise UnsafeCheckpointError(f"{source}: the pickle nests too deeply to decode") from exc
+    except Exception as exc:  # truncated or garbled: pickle raises many unrelated types
+        raise UnsafeCheckpointError(f"{source}: not a readable pickle ({_short(exc)})") from exc
+
+
+def plain_globals() -> dict[str, Any]:
+    """Stand-ins for plain values: OrderedDict (torch.save writes one for tensor hooks) becomes
+    a dict. Fresh per load (see :func:`record_class`)."""
+
+    def ordered_dict(*args: Any) -> dict[Any, Any]:
+        return dict(*args)
+
+    return {"collections.OrderedDict": ordered_dict}
+
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
+
+
+def is_plain(value: Any, depth: int = 0) -> bool:
+    """True for None/bool/int/float/str/bytes and lists, tuples and str/int-keyed dicts of them."""
+    if depth > 64:
+        return False
+    if isinstance(value, _PLAIN_TYPES):
+        return True
+    if isinstance(value, list | tuple):
+        return all(is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str | int) and is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
