@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import time
 
 import pytest
@@ -18,9 +17,18 @@ from bytecheckpoint.storage.local import LocalStorage
 
 def test_backoff_grows_exponentially_with_full_jitter_and_a_cap():
     policy = RetrySettings(attempts=10, base_s=0.1, max_s=1.0)
-    rng = random.Random(1)
+    runs: list[list[float]] = []
+
+    def down():
+        raise TransientStorageError("down")
+
+    for _ in range(200):
+        runs.append([])
+        with pytest.raises(TransientStorageError):
+            retry.call(down, policy, sleep=runs[-1].append)
+    assert {len(r) for r in runs} == {9}  # a wait between each of the 10 attempts
     for attempt, cap in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (9, 1.0)]:
-        delays = [retry.backoff(attempt, policy, rng) for _ in range(200)]
+        delays = [r[attempt - 1] for r in runs]
         assert 0 <= min(delays) and max(delays) <= cap and max(delays) > cap * 0.8
 
 

@@ -2,15 +2,18 @@
 
 Only transient failures are retried: a missing file, a refused permission or a missing
 bucket is an answer, and retrying it would only delay the error the caller must see.
+The loop is tenacity's (as in the ingester and the Kafka sink); this module says what is
+transient and turns :class:`RetrySettings` into tenacity's stop and wait strategies.
 """
 
 from __future__ import annotations
 
 import errno
-import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+import tenacity
 
 from ..errors import PermanentStorageError, TransientStorageError
 from .config import RetrySettings
@@ -38,14 +41,6 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
 
 
-def backoff(attempt: int, policy: RetrySettings, rng: random.Random) -> float:
-    """Delay before attempt ``attempt + 1``: uniform in [0, min(max, base * 2**(attempt-1))]."""
-    return rng.uniform(0.0, min(policy.max_s, policy.base_s * (2 ** (attempt - 1))))
-
-
-_rng = random.Random()
-
-
 def call(
     fn: Callable[[], T],
     policy: RetrySettings,
@@ -57,20 +52,29 @@ def call(
 
     Raises the last error when it is permanent, when attempts run out, or when waiting
     again would pass the deadline; the error then carries ``attempts`` (an int attribute).
+    The delay before attempt ``n + 1`` is uniform in [0, min(max_s, base_s * 2**(n-1))].
     """
-    start = time.monotonic()
-    attempt = 1
-    while True:
+    attempts = 0
+
+    def attempt() -> T:
+        nonlocal attempts
+        attempts += 1
         try:
-            return fn(), attempt
+            return fn()
         except Exception as exc:
-            exc.attempts = attempt  # type: ignore[attr-defined]
-            if not is_transient(exc) or attempt >= policy.attempts:
-                raise
-            delay = backoff(attempt, policy, _rng)
-            if time.monotonic() - start + delay > policy.deadline_s:
-                raise
-            if on_retry is not None:
-                on_retry(attempt, exc, delay)
-            sleep(delay)
-            attempt += 1
+            exc.attempts = attempts  # type: ignore[attr-defined]
+            raise
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        if on_retry is not None and state.outcome is not None:
+            on_retry(state.attempt_number, state.outcome.exception(), state.upcoming_sleep)
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(policy.attempts) | tenacity.stop_before_delay(policy.deadline_s),
+        wait=tenacity.wait_random_exponential(multiplier=policy.base_s, max=policy.max_s),
+        retry=tenacity.retry_if_exception(is_transient),
+        before_sleep=before_sleep,
+        sleep=sleep,
+        reraise=True,
+    )
+    return retrying(attempt), attempts

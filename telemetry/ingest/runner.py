@@ -4,7 +4,7 @@ What cannot be stored never blocks what can: sources hand over events already ch
 against the column types plus the lines they rejected; if the store still refuses a batch
 while it answers queries, the batch is bisected down to the refused events. Rejected and
 refused records go to the quarantine table with the reason. Only an unreachable store is
-retried, with backoff, for at most ``retry_for_s``.
+retried, with backoff (tenacity), for at most ``retry_for_s``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import tenacity
 
 from telemetry.ingest.records import Reject
 from telemetry.store import StoreConfigError, StoreUnavailableError, connect, ensure_schema
@@ -59,6 +61,10 @@ class IngestStats:
 
 class _Refused(Exception):
     """The store answers but refused this insert: the data is at fault, not the connection."""
+
+
+class _Stopped(Exception):
+    """``stop`` was set while waiting to retry."""
 
 
 class Ingester:
@@ -153,13 +159,13 @@ class Ingester:
         """``action(client)`` until it succeeds: (True, result), or (False, None) if stopped.
 
         A failure while the store answers ``SELECT 1`` raises _Refused; an unreachable store
-        is retried with backoff for at most ``retry_for_s``, then StoreUnavailableError.
+        is retried with backoff (``retry_s``: first wait, doubling to the longest) for at most
+        ``retry_for_s``, then StoreUnavailableError. The loop is tenacity's, as in storage.
         """
-        delay = self._retry_min
-        deadline = time.monotonic() + self.retry_for_s
-        while True:
+
+        def once() -> Any:
             try:
-                return True, action(self._store())
+                return action(self._store())
             except StoreConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - server down, store locked, network, bad data
@@ -168,16 +174,41 @@ class Ingester:
                     raise _Refused(f"{type(exc).__name__}: {text[0][:300] if text else ''}") from exc
                 self.stats.insert_failures += 1
                 self._drop_client()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StoreUnavailableError(
-                        f"the store stayed unreachable for {self.retry_for_s:.0f}s ({exc}); nothing was "
-                        "committed past the last stored batch, so a rerun resumes there") from exc
-                log.warning("ingest: insert failed (%s); the store seems unreachable, retrying in %.1fs "
-                            "(giving up in %.0fs); nothing is committed until it succeeds", exc, delay, left)
-                if stop.wait(min(delay, left)):
-                    return False, None
-                delay = min(delay * 2, self._retry_max)
+                raise
+
+        backoff = tenacity.wait_exponential(multiplier=self._retry_min, max=self._retry_max)
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            return max(0.0, min(backoff(state), self.retry_for_s - (state.seconds_since_start or 0.0)))
+
+        def warn(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            left = self.retry_for_s - (state.seconds_since_start or 0.0)
+            log.warning("ingest: insert failed (%s); the store seems unreachable, retrying in %.1fs "
+                        "(giving up in %.0fs); nothing is committed until it succeeds",
+                        exc, state.upcoming_sleep, left)
+
+        def sleep(seconds: float) -> None:
+            if stop.wait(seconds):
+                raise _Stopped
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_delay(self.retry_for_s),
+            wait=wait,
+            retry=tenacity.retry_if_exception(
+                lambda e: isinstance(e, Exception) and not isinstance(e, (StoreConfigError, _Refused))),
+            before_sleep=warn,
+            sleep=sleep,
+        )
+        try:
+            return True, retrying(once)
+        except _Stopped:
+            return False, None
+        except tenacity.RetryError as gave_up:
+            exc = gave_up.last_attempt.exception()
+            raise StoreUnavailableError(
+                f"the store stayed unreachable for {self.retry_for_s:.0f}s ({exc}); nothing was "
+                "committed past the last stored batch, so a rerun resumes there") from exc
 
     def _answers(self) -> bool:
         try:

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import tenacity
+
 from telemetry.sinks.base import Sink
 from telemetry.sinks.segments import (
     DEFAULT_FSYNC,
@@ -117,7 +119,9 @@ class KafkaSink(Sink):
         self.pending_dir = Path(spool_dir) / PENDING_DIR
         self.spool_limit_bytes = spool_limit_bytes
         self.send_timeout_s = send_timeout_s
-        self._backoff_min, self._backoff_max = retry_backoff_s
+        # The same backoff shape as the ingester's and storage's retries (tenacity), but never
+        # slept: while the broker is down, events wait in the spool until the next try is due.
+        self._backoff = tenacity.wait_exponential(multiplier=retry_backoff_s[0], max=retry_backoff_s[1])
         self._producer_config = dict(producer_config or {})
         self._log = SegmentLog(self.pending_dir, min(spool_file_bytes, max(1, spool_limit_bytes // 4)), fsync)
         self._pruner = SpoolPruner(self.pending_dir, spool_limit_bytes, "not yet acknowledged by Kafka")
@@ -125,7 +129,7 @@ class KafkaSink(Sink):
         self._producer: Any = None
         self._tried = False
         self._next_try = 0.0
-        self._backoff = self._backoff_min
+        self._failures = tenacity.RetryCallState(None, None, (), {})  # attempt_number: failures + 1
         self._warned_down = False
         self._init_process()
 
@@ -207,7 +211,7 @@ class KafkaSink(Sink):
         if self._warned_down:
             log.warning("telemetry: Kafka at %s is reachable again; sending spooled events", self.bootstrap)
         self._warned_down = False
-        self._backoff = self._backoff_min
+        self._failures.attempt_number = 1
         return self._producer
 
     def _mark_down(self, exc: BaseException) -> None:
@@ -216,8 +220,8 @@ class KafkaSink(Sink):
             with contextlib.suppress(Exception):
                 # timeout=0 discards unsent records: they are still in the spool.
                 producer.close(timeout=0)
-        self._next_try = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, self._backoff_max)
+        self._next_try = time.monotonic() + self._backoff(self._failures)
+        self._failures.attempt_number += 1
         if not self._warned_down:
             self._warned_down = True
             log.warning("telemetry: cannot send to Kafka at %s (%s: %s); events are spooled in %s "
