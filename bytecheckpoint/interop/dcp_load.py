@@ -35,7 +35,7 @@ import xxhash
 
 from .. import codec
 from ..checksums import chunk_checksums
-from ..errors import CheckpointError, PermanentStorageError
+from ..errors import CheckpointError, CorruptCheckpointError, PermanentStorageError
 from ..metadata import METADATA_FILE, BoxTable, ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta, TensorMeta
 from ..storage import Storage, Writer
 from ..storage.wrapper import StorageWrapper
@@ -181,6 +181,14 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
     skipped: list[str] = []
     files = sorted(dcp.files)
     aliases = {FILE_PREFIX + name: name for name in files}
+    sizes = _file_sizes(storage, root, files, source)
+    for where, file, off, length in [(f"chunk {c.offsets} of {t.fqn!r}", c.file, c.offset, c.length)
+                                     for t in dcp.tensors.values() for c in t.chunks] + [
+            (repr(b.fqn), b.file, b.offset, b.length) for b in dcp.objects.values()]:
+        if off + length > sizes[file]:
+            raise CorruptCheckpointError(
+                f"{source}: {where} is stored at bytes {off}+{length}, outside {file} of "
+                f"{sizes[file]} bytes; the checkpoint is truncated, damaged or hostile")
     ranks = [int(m.group(1)) for m in map(_RANK.match, files) if m]
     world_size = min(1 << 24, max(ranks, default=0) + 1)
 
@@ -241,7 +249,7 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
         np.zeros(n, dtype=i64), np.zeros(int(n_chunks.sum()), dtype=np.uint64))
 
     objects = _translate_objects(storage, root, dcp, world_size, {k for k, _ in tensors}, skipped, source)
-    file_metas = [FileMeta(FILE_PREFIX + name, storage.size(posixpath.join(root, name)),
+    file_metas = [FileMeta(FILE_PREFIX + name, sizes[name],
                            min(world_size - 1, int(m.group(1))) if (m := _RANK.match(name)) else 0, "dcp")
                   for name in files]
     if objects.size:
@@ -253,6 +261,17 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
         created_at=0.0,  # the same bytes on every rank: the ranks compare their metadata digests
     )
     return meta, b"".join(objects.parts), aliases, skipped
+
+
+def _file_sizes(storage: Storage, root: str, files: list[str], source: str) -> dict[str, int]:
+    sizes = {}
+    for name in files:
+        try:
+            sizes[name] = storage.size(posixpath.join(root, name))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise CorruptCheckpointError(f"{source}: names storage file {name}, which is missing from "
+                                         "the checkpoint directory") from None
+    return sizes
 
 
 def _tensor_key(path: tuple[str | int, ...]) -> str | None:
