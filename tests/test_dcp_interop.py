@@ -149,3 +149,28 @@ def test_overlapping_chunks_are_refused(tmp_path):
     (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(CheckpointError, match="declares"):
         bcp.load(str(ckpt), {"model": nn.Linear(4, 4)})
+
+
+def test_flattened_optimizer_and_bare_model_layouts(tmp_path):
+    """torchtitan's layouts: flatten_optimizer_state_dict=True, and a model-only state dict
+    with model keys at the top level."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.frameworks import canonical
+    from tests.workloads import make_plain, train_step
+
+    model, optim = make_plain(seed=0)
+    train_step(model, optim, 0, 0)
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert any(k.startswith("param_groups.") for k in osd)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "flat"))
+    dcp.save(dict(model.state_dict()), checkpoint_id=str(tmp_path / "bare"))
+    ref = canonical(model, optim)
+
+    got_model, got_optim = make_plain(seed=1, lr=5e-4)
+    bcp.load(str(tmp_path / "flat"), {"model": got_model, "optimizer": got_optim})
+    assert_same(ref, canonical(got_model, got_optim))
+    bare = make_plain(seed=2)[0]
+    bcp.load(str(tmp_path / "bare"), {"model": bare})
+    for name, t in model.state_dict().items():
+        assert same_bits(t, bare.state_dict()[name]), name
