@@ -81,12 +81,18 @@ def run_rank(rank: int, world: int, port: int, spec_json: str) -> None:
              "extra_state": extra}
     ckpt_root = f"{spec.root}/checkpoints"
     record: dict = {"rank": rank, "world": world, "saves": [], "losses": {}, "data": {}}
+    # The manager saves every save_every steps and at the last one, keeps the newest 3, and
+    # resumes from the latest checkpoint (None on a fresh start). Synchronous here, so each
+    # save's timings can be reported as it ends.
+    last = spec.first_step + spec.steps if not spec.resume else None
+    mgr = bcp.CheckpointManager(ckpt_root, save_every_steps=None if spec.resume else spec.save_every,
+                                last_step=last, retention=bcp.KeepLast(3), async_save=False)
     if spec.resume:
-        result = bcp.load(ckpt_root, state)
+        spec.first_step = mgr.restore(state) or 0
+        result = mgr.last_load
         record["load"] = {"path": result.path, "step": result.step, "seconds": result.duration_s,
                           "bytes_read": result.bytes_read, "phases": result.phases}
         record["fingerprint_after_load"] = fingerprint(model, optim)
-        spec.first_step = result.step
     for step in range(spec.first_step, spec.first_step + spec.steps):
         batch = next(loader)
         record["data"][step + 1] = _runs(batch)
@@ -96,16 +102,17 @@ def run_rank(rank: int, world: int, port: int, spec_json: str) -> None:
         optim.zero_grad()
         record["losses"][step + 1] = loss.item()
         done = step + 1
-        if not spec.resume and done % spec.save_every == 0:
-            t = time.perf_counter()
-            extra["step"] = done
-            res = bcp.save(f"{ckpt_root}/step_{done}", state, step=done)
+        extra["step"] = done
+        t = time.perf_counter()
+        if not spec.resume and mgr.save(done, state):
+            res = mgr.last_result
             record["saves"].append({"step": done, "path": res.path, "seconds": time.perf_counter() - t,
                                     "bytes": res.bytes_written, "total_bytes": res.total_bytes,
                                     "metadata_bytes": res.metadata_bytes, "files": res.files,
                                     "phases": res.phases, "loader_collect_s": loader.last_collect_s,
                                     "loader_prefetched": loader.last_collect_prepared})
             record["fingerprint_at_last_save"] = fingerprint(model, optim)
+    mgr.close()
     if spec.resume:  # read the rest of the data, to show every token comes exactly once
         record["drained"] = [run for b in loader for run in _runs(b)]
     loader.close()

@@ -126,6 +126,8 @@ class CheckpointManager:
         self._timeline: Timeline | None = None  # set by restore() or the first save
         self._last_step: int | None = None  # the newest step saved or restored on this timeline
         self._handle: Any = None
+        self.last_result: Any = None  # the SaveResult of the last save waited for
+        self.last_load: Any = None  # the LoadResult of the last restore
         self._pending_step: int | None = None
         self._decided: tuple[int, Agreed | None] | None = None
         self._stop = False
@@ -280,15 +282,16 @@ class CheckpointManager:
             name = f"step_{step}-{timeline.id[:8] or 'x'}"
         return name, timeline
 
-    def wait(self) -> None:
-        """Wait for the save in flight (raising its error), then apply retention."""
+    def wait(self) -> Any:
+        """Wait for the save in flight (raising its error), then apply retention. Returns that
+        save's ``SaveResult`` (also kept in :attr:`last_result`), or None when none was in flight."""
         handle, self._handle = self._handle, None
         if handle is None:
-            return
-        if hasattr(handle, "wait"):
-            handle.wait()
+            return None
+        self.last_result = handle.wait() if hasattr(handle, "wait") else handle
         if self.retention is not None and self.comm.is_coordinator:
             self._retain()
+        return self.last_result
 
     # -- retention -----------------------------------------------------------------------------
     def _retain(self) -> None:
@@ -373,8 +376,8 @@ class CheckpointManager:
         self._timeline = timeline
         if name is None:
             return None
-        load(self.storage.url(posixpath.join(self.root, name)), state, process_group=self.process_group,
-             **load_kwargs)
+        self.last_load = load(self.storage.url(posixpath.join(self.root, name)), state,
+                              process_group=self.process_group, **load_kwargs)
         self._last_step = found_step
         return found_step
 
