@@ -211,6 +211,11 @@ def verify_files(url: str, *, threads: int = 4,
     Returns the checkpoint's URL and the problems, each naming its file. ``progress`` is called
     with the byte count of each piece once it is checked (from the worker threads)."""
     storage, path = resolve(url)
+    if not getattr(storage, "checksummed", True):
+        raise NotACheckpointError(
+            f"{url} is a PyTorch DCP checkpoint, which stores no checksums or file headers to "
+            "verify; bcp.load reads it as it is (checking sizes and bounds), and a bcp.save of "
+            "the loaded state gives a checkpoint that bcp verify can check")
     meta = read_metadata(storage, path)
     expected = expected_entries(meta, {f.name for f in meta.files})
     problems: list[Problem] = []

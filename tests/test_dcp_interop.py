@@ -174,3 +174,12 @@ def test_flattened_optimizer_and_bare_model_layouts(tmp_path):
     bcp.load(str(tmp_path / "bare"), {"model": bare})
     for name, t in model.state_dict().items():
         assert same_bits(t, bare.state_dict()[name]), name
+
+
+def test_verify_of_a_dcp_directory_says_why_it_cannot(tmp_path):
+    from bytecheckpoint.errors import NotACheckpointError
+    from bytecheckpoint.integrity import verify
+
+    dcp.save({"model": nn.Linear(2, 2).state_dict()}, checkpoint_id=str(tmp_path / "ckpt"))
+    with pytest.raises(NotACheckpointError, match="DCP checkpoint, which stores no checksums"):
+        verify(str(tmp_path / "ckpt"))
