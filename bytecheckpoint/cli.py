@@ -188,17 +188,28 @@ def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
             "framework": None, "world_size": None, "layout": None,
             "tier": "staging" if (c.staging and not c.committed) else c.state,
             "age_s": round(now - c.modified, 3), "latest": c.latest, "pinned": c.pinned,
-            "being_read": c.being_read, "problem": c.problem,
+            "being_read": c.being_read, "problem": c.problem, "abandoned": False,
         }
         if c.committed:
             try:
                 meta = read_meta(c.path)
                 row.update(framework=meta.framework, world_size=meta.world_size, layout=meta.layout,
-                           layout_text=_layout_text(meta))
+                           layout_text=_layout_text(meta), user_metadata=meta.user_metadata)
             except (OSError, CheckpointError, ValueError, TypeError) as exc:
                 row.update(committed=False, tier="unreadable", error=str(exc))
         rows.append(row)
+    flags = _abandoned([(r["run"], r.pop("user_metadata", None), r["step"], r["latest"], now - r["age_s"])
+                        for r in rows])
+    for r, abandoned in zip(rows, flags):
+        r["abandoned"] = abandoned
     return rows
+
+
+def _abandoned(items: list[tuple[str, Any, Any, bool, float]]) -> list[bool]:
+    """Checkpoints a rollback left off their run's live timeline (see docs/guide/manager.md)."""
+    from bytecheckpoint.manager.timeline import abandoned_flags
+
+    return abandoned_flags(items)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -212,7 +223,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     table = []
     for r in rows:
-        flags = ",".join(f for f, on in (("latest", r["latest"]), ("pinned", r["pinned"]),
+        flags = ",".join(f for f, on in (("latest", r["latest"]), ("abandoned", r["abandoned"]),
+                                         ("pinned", r["pinned"]),
                                          ("reading", r["being_read"]), ("unclassified", r["problem"]))
                          if on)
         table.append([os.path.normpath(os.path.join(r["run"], r["name"])),
@@ -237,22 +249,41 @@ class GcDecision:
 
 def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> list[GcDecision]:
     """Pure retention decision per checkpoint: delete a committed checkpoint unless it is among
-    the newest ``keep_last`` of its run, its step is a multiple of ``keep_every``, or it is
-    untouchable (uncommitted, a save under way, pinned, being read, named by ``latest``, or
-    impossible to classify: an odd step, unreadable metadata or ``latest``). The newest
-    committed checkpoint of each run is always kept, whatever ``keep_last`` says."""
-    from storage_tiering.catalog import untouchable_reason
-    from storage_tiering.policies import Context, EveryKSteps, NewestPerRun
+    the newest ``keep_last`` of its run's live timeline, its step is a multiple of
+    ``keep_every``, or it is protected (uncommitted, a save under way, pinned, being read, named
+    by ``latest``, abandoned by a rollback, or impossible to classify: an odd step, unreadable
+    metadata or ``latest``). The newest committed checkpoint of each run is always kept,
+    whatever ``keep_last`` says. The policies and the protection rule are the manager's
+    (:mod:`bytecheckpoint.manager.retention`)."""
+    from collections import defaultdict
 
+    from bytecheckpoint.manager.retention import Context, KeepEvery, KeepLast, protected_reason
+    from storage_tiering.catalog import read_meta
+
+    def meta_of(c: Any) -> Any:
+        try:
+            return read_meta(c.path).user_metadata if c.committed and c.problem is None else None
+        except (OSError, CheckpointError, ValueError, TypeError):
+            return None
+
+    abandoned = _abandoned([(c.run, meta_of(c), c.step, c.latest, c.modified) for c in checkpoints])
     ctx = Context(now=0.0)
-    newest = NewestPerRun(max(keep_last, 1)).select(checkpoints, context=ctx)
-    every = EveryKSteps(keep_every).select(checkpoints, context=ctx)
+    runs: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(checkpoints):
+        if c.committed and c.problem is None and not abandoned[i]:
+            runs[c.run].append(i)
+    newest, every = set(), set()
+    for idx in runs.values():
+        members = [checkpoints[i] for i in idx]
+        newest.update(i for i, k in zip(idx, KeepLast(max(keep_last, 1)).select(members, context=ctx)) if k)
+        if keep_every:
+            every.update(i for i, k in zip(idx, KeepEvery(keep_every).select(members, context=ctx)) if k)
     out = []
-    for c, is_new, is_kth in zip(checkpoints, newest, every):
-        reason = untouchable_reason(c)
-        if reason is None and is_new:
+    for i, c in enumerate(checkpoints):
+        reason = protected_reason(c, abandoned[i])
+        if reason is None and i in newest:
             reason = f"among the newest {max(keep_last, 1)} of its run"
-        elif reason is None and is_kth:
+        elif reason is None and i in every:
             reason = f"step is a multiple of {keep_every}"
         if reason is None:
             out.append(GcDecision(c, True, "beyond --keep-last"))

@@ -203,3 +203,31 @@ def test_a_step_not_after_the_last_one_is_refused(tmp_path):
             mgr.save(5, state(5))
         with pytest.raises(InvalidArgumentError):
             mgr.save(6, state(6), metrics={"loss": "low"})
+
+
+def test_bcp_ls_marks_abandoned_and_bcp_gc_neither_counts_nor_deletes_them(tmp_path, capsys):
+    import json
+
+    from bytecheckpoint import cli
+
+    root = str(tmp_path / "run")
+    with bcp.CheckpointManager(root, save_every_steps=10) as mgr:
+        for step in (10, 20, 30, 40):
+            mgr.save(step, state(step))
+        mgr.restore(state(-1), step=20)
+        assert mgr.save(25, state(25), force=True)
+    capsys.readouterr()
+    assert cli.main(["ls", "--json", root]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    abandoned = {s: r["abandoned"] for s, r in rows.items()}
+    assert abandoned == {10: False, 20: False, 25: False, 30: True, 40: True}
+    assert cli.main(["ls", root]) == 0
+    assert "abandoned" in capsys.readouterr().out
+    # Keep the newest 2 of the live timeline (20, 25): 10 goes; 30 and 40 are not counted as
+    # the newest and are kept as abandoned.
+    assert cli.main(["gc", "--keep-last", "2", "--yes", "--json", root]) == 0
+    doc = {c["step"]: c for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert {s: c["action"] for s, c in doc.items()} == {10: "delete", 20: "keep", 25: "keep", 30: "keep",
+                                                         40: "keep"}
+    assert doc[30]["reason"].startswith("abandoned")
+    assert sorted(os.listdir(root)) == ["latest", "step_20", "step_25", "step_30", "step_40"]

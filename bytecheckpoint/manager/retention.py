@@ -63,7 +63,10 @@ def _count(name: str, k: Any) -> None:
 
 
 def _order(c: Any) -> tuple[int, float]:
-    return (c.step if isinstance(c.step, int) else -1, c.time)
+    when = getattr(c, "time", None)  # the manager's records; the tiering catalog has "modified"
+    if when is None:
+        when = getattr(c, "modified", 0.0)
+    return (c.step if isinstance(c.step, int) else -1, when)
 
 
 @dataclass(frozen=True)
@@ -161,10 +164,12 @@ class AllOf(Policy):
         return [all(m[i] for m in masks) for i in range(len(checkpoints))]
 
 
-def protected_reason(c: Any) -> str | None:
+def protected_reason(c: Any, abandoned: bool | None = None) -> str | None:
     """Why ``c`` may never be deleted by retention (None if it may). Reads the attributes the
     manager's records and the tiering catalog share: ``problem``, ``committed``, ``staging``,
-    ``pinned``, ``being_read``, ``latest``, ``abandoned`` (absent = False)."""
+    ``pinned``, ``being_read``, ``latest``, ``abandoned`` (absent = False; or given)."""
+    if abandoned is None:
+        abandoned = getattr(c, "abandoned", False)
     if getattr(c, "problem", None) is not None:
         return f"cannot be classified: {c.problem}"
     if not getattr(c, "committed", True):
@@ -177,7 +182,7 @@ def protected_reason(c: Any) -> str | None:
         return "being read (lease)"
     if getattr(c, "latest", False):
         return "named by latest"
-    if getattr(c, "abandoned", False):
+    if abandoned:
         return "abandoned by a rollback (kept until deleted by hand)"
     return None
 

@@ -82,3 +82,19 @@ def abandons(new: Mapping[str, Any] | None, old: Mapping[str, Any] | None, old_s
     """Whether a checkpoint saved with user metadata ``new`` abandons one saved with ``old`` at
     ``old_step`` (``latest`` then moves to the new one whatever the steps)."""
     return not timeline_of(new).holds(timeline_of(old), old_step)
+
+
+def abandoned_flags(items: list[tuple[str, Mapping[str, Any] | None, int | None, bool, float]]) -> list[bool]:
+    """For checkpoints given as ``(run, user_metadata, step, named_by_latest, time)``: whether
+    each is abandoned, i.e. not on the live timeline of its run (the timeline of the checkpoint
+    ``latest`` names, else of the newest save). Unreadable metadata is passed as None: such a
+    checkpoint is never called abandoned."""
+    live: dict[str, tuple[bool, float, Timeline]] = {}
+    for run, meta, _step, is_latest, t in items:
+        if meta is None:
+            continue
+        rank = (is_latest, t)
+        if run not in live or rank > live[run][:2]:
+            live[run] = (is_latest, t, timeline_of(meta))
+    return [meta is not None and run in live and not live[run][2].holds(timeline_of(meta), step)
+            for run, meta, step, _latest, _t in items]
