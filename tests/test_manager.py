@@ -231,3 +231,24 @@ def test_bcp_ls_marks_abandoned_and_bcp_gc_neither_counts_nor_deletes_them(tmp_p
                                                          40: "keep"}
     assert doc[30]["reason"].startswith("abandoned")
     assert sorted(os.listdir(root)) == ["latest", "step_20", "step_25", "step_30", "step_40"]
+
+
+def test_step_time_is_recorded_as_train_step_spans_when_asked(tmp_path):
+    import json
+
+    import telemetry
+
+    spool = os.environ["BCP_TELEMETRY_DIR"]
+    run = f"manager-steps-{os.getpid()}-{time.time_ns()}"
+    with telemetry.context(run=run), bcp.CheckpointManager(str(tmp_path / "run"), save_every_steps=100,
+                                                           record_step_time=True) as mgr:
+        for step in range(1, 5):
+            time.sleep(0.03)  # the "training step"
+            mgr.save(step, state(step))
+    telemetry.flush()
+    durations = []
+    for name in os.listdir(spool):
+        with open(os.path.join(spool, name)) as f:
+            durations += [e["duration_s"] for e in map(json.loads, f)
+                          if e.get("name") == "train.step" and e.get("run") == run]
+    assert len(durations) == 3 and all(0.025 < d < 1.0 for d in durations), durations

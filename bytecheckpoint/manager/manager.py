@@ -132,7 +132,7 @@ class CheckpointManager:
         self._decided: tuple[int, Agreed | None] | None = None
         self._stop = False
         self._closed = False
-        self._step_t0: float | None = None
+        self._step_t0: tuple[float, float] | None = None
         self._old_handlers: dict[int, Any] = {}
         if preemption:
             self._install(DEFAULT_SIGNALS if preemption is True else tuple(preemption))
@@ -208,16 +208,15 @@ class CheckpointManager:
     def _step_time(self) -> None:
         if not self.record_step_time:
             return
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         if self._step_t0 is not None:
             with contextlib.suppress(Exception):  # telemetry never raises into training
                 import telemetry
 
-                span = telemetry.span("train.step")
-                span._t0 = self._step_t0  # the step began at the previous call
-                with span:
-                    pass
-        self._step_t0 = now
+                with telemetry.span("train.step") as span:
+                    # The step began at the previous call, not now: the span covers it.
+                    span.ts, span._t0 = self._step_t0
+        self._step_t0 = (wall, now)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None,
