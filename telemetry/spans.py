@@ -240,11 +240,6 @@ def span(name: str, /, **fields: Any) -> Span:
     return Span(name, fields)
 
 
-def current_span() -> Span | None:
-    """The innermost active span of this thread/task, e.g. to ``set()`` from a helper."""
-    return _current.get()
-
-
 @overload
 def timed(name: Callable[P, R], /) -> Callable[P, R]: ...
 

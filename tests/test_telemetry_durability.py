@@ -145,7 +145,7 @@ def _spool_events(n: int, run: str) -> list[dict[str, Any]]:
 def test_ingester_deletes_what_it_stored_and_keeps_live_segments(chdb_dsn, tmp_path: Path):
     from telemetry.sinks.spool import SpoolSink
     from telemetry.store import connect
-    from telemetry.store import queries as q
+    from tests.telemetry_store_reads import event_counts
 
     spool, run = tmp_path / "spool", uuid.uuid4().hex[:8]
     sink = SpoolSink(spool, max_bytes=10_000)
@@ -163,7 +163,7 @@ def test_ingester_deletes_what_it_stored_and_keeps_live_segments(chdb_dsn, tmp_p
     assert not list(spool.glob("*.jsonl"))
     client = connect(chdb_dsn)
     try:
-        counts = q.event_counts(client, job="durable", run=run)
+        counts = event_counts(client, job="durable", run=run)
     finally:
         client.close()
     assert counts["distinct_ids"] == counts["final_rows"] == 305

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from dashboard import queries as dq
 from telemetry.alerts import SlowRank, evaluate
 from telemetry.alerts.engine import RuleSet
 from telemetry.store import connect
-from telemetry.store import queries as q
 from tests import telemetry_workloads as tw
 from tests.telemetry_servers import run_ingester
+from tests.telemetry_store_reads import event_counts
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +37,11 @@ def test_save_and_resharding_load_reach_clickhouse(world, kafka_broker, topic, c
 
     client = connect(chdb_dsn)
     try:
-        counts = q.event_counts(client, job="e2e", run=run)
+        counts = event_counts(client, job="e2e", run=run)
         assert counts["final_rows"] == sum(s["events"] for s in saved) + sum(r["events"] for r in loaded)
 
-        rows = q.phase_durations(client, saved[0]["url"], op="save", job="e2e", run=run)
+        rows = dq.rank_phases(client, job="e2e", run=run, checkpoint=saved[0]["url"],
+                              op="save").to_dict("records")
         got = {(r["rank"], r["phase"]) for r in rows}
         assert got >= {(rank, phase) for rank in range(4) for phase in SAVE_PHASES}
         assert all(r["duration_s"] > 0 for r in rows)
@@ -47,7 +49,7 @@ def test_save_and_resharding_load_reach_clickhouse(world, kafka_broker, topic, c
         files = sum(p.stat().st_size for p in Path(root, "step_1").glob("*.safetensors"))
         assert write_bytes == files == sum(s["bytes"] for s in saved)
 
-        rows = q.phase_durations(client, root, op="load", job="e2e", run=run)
+        rows = dq.rank_phases(client, job="e2e", run=run, checkpoint=root, op="load").to_dict("records")
         got = {(r["rank"], r["phase"]) for r in rows}
         assert got >= {(rank, phase) for rank in range(2) for phase in LOAD_PHASES}
         # The whole-call span carries every byte the rank read; load.read spans cover the
@@ -57,13 +59,14 @@ def test_save_and_resharding_load_reach_clickhouse(world, kafka_broker, topic, c
         read_bytes = sum(r["bytes"] for r in rows if r["phase"] == "load.read")
         assert 0 < read_bytes <= sum(r["bytes_read"] for r in loaded)
 
-        ckpts = {(c["checkpoint"], c["op"]): c for c in q.checkpoints(client, job="e2e", run=run)}
+        ckpts = {(c["checkpoint"], c["op"]): c
+                 for c in dq.checkpoints(client, job="e2e", run=run).to_dict("records")}
         save_row = ckpts[(saved[0]["url"], "save")]
         assert save_row["committed"] and save_row["ranks"] == 4
         assert ckpts[(root, "load")]["ranks"] == 2
-        trend = q.step_trends(client, job="e2e", run=run)
+        trend = dq.step_phases(client, job="e2e", run=run).to_dict("records")
         assert {r["phase"] for r in trend if r["step"] == 1} >= {"save.plan", "save.write", "save.commit"}
-        assert any(r["bytes"] == files for r in q.throughput(client, job="e2e", run=run, op="save"))
+        assert save_row["bytes"] == files  # bytes moved by the I/O phases
     finally:
         client.close()
 
@@ -87,7 +90,7 @@ def test_broker_down_during_save_loses_nothing(world, own_broker, topic, chdb_ds
 
     client = connect(chdb_dsn)
     try:
-        counts = q.event_counts(client, job="outage", run=run)
+        counts = event_counts(client, job="outage", run=run)
         assert counts["final_rows"] == counts["distinct_ids"] == sum(s["events"] for s in saved)
     finally:
         client.close()
@@ -115,7 +118,8 @@ def test_slow_rank_raises_exactly_one_alert(world, kafka_broker, topic, chdb_dsn
         assert (alert.rank, alert.phase, alert.rule) == (2, "save.write", "slow_rank"), alert.message
         assert "rank 2" in alert.message and "save.write" in alert.message
         assert evaluate(client, ruleset) == [], "a second evaluation must not repeat the alert"
-        [stored] = q.alerts(client, job="slowjob", rule="slow_rank")
+        alerts = dq.alerts(client, job="slowjob").to_dict("records")
+        [stored] = [a for a in alerts if a["rule"] == "slow_rank"]
         assert stored["rank"] == 2 and stored["phase"] == "save.write"
     finally:
         client.close()

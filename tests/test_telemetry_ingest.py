@@ -18,8 +18,8 @@ from telemetry.ingest.runner import KILL_AFTER_INSERTS_ENV
 from telemetry.sinks.kafka import KafkaSink
 from telemetry.sinks.spool import SpoolSink
 from telemetry.store import connect
-from telemetry.store import queries as q
 from tests.telemetry_servers import ROOT, run_ingester
+from tests.telemetry_store_reads import event_counts, quarantined
 
 
 def _events(n: int, run: str) -> list[dict[str, Any]]:
@@ -40,7 +40,7 @@ def _produce(bootstrap: str, topic: str, events: list[dict[str, Any]], tmp: Path
 def _counts(dsn: str, run: str) -> dict[str, int]:
     client = connect(dsn)
     try:
-        return q.event_counts(client, job="ingest", run=run)
+        return event_counts(client, job="ingest", run=run)
     finally:
         client.close()
 
@@ -143,7 +143,7 @@ def _stored_ids(dsn: str, run: str) -> list[str]:
 def _quarantine(dsn: str) -> list[dict[str, Any]]:
     client = connect(dsn)
     try:
-        return q.quarantined(client)
+        return quarantined(client)
     finally:
         client.close()
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from dashboard import queries as dq
 from telemetry.alerts import (
     AllRule,
     AnyRule,
@@ -26,8 +27,8 @@ from telemetry.alerts import (
 )
 from telemetry.alerts.engine import RuleSet
 from telemetry.store import StoreConfigError, connect, ensure_schema, insert_events
-from telemetry.store import queries as q
 from telemetry.store.schema import SCHEMA_VERSION, VERSION_TABLE
+from tests.telemetry_store_reads import event_counts
 
 
 @pytest.fixture
@@ -68,12 +69,11 @@ def test_redelivered_events_count_once_and_io_ops_are_split_out(store):
                for r in range(4)]
     insert_events(store, events)
     insert_events(store, events)  # redelivery
-    assert q.event_counts(store, job="j")["final_rows"] == 8
-    rows = q.phase_durations(store, "/c/step_1", op="save")
-    assert {(r["rank"], r["phase"]) for r in rows} == {(r, p) for r in range(4) for p in ("save.write",
-                                                                                           "storage.write")}
+    assert event_counts(store, job="j")["final_rows"] == 8
+    rows = dq.rank_phases(store, job="j", run="r", checkpoint="/c/step_1", op="save").to_dict("records")
+    assert {(r["rank"], r["phase"]) for r in rows} == {(r, "save.write") for r in range(4)}
     assert all(r["spans"] == 1 and r["bytes"] == 100 for r in rows)
-    io = q.io_summary(store, job="j")
+    io = dq.io_latency(store, job="j").to_dict("records")
     assert [(r["backend"], r["op"], r["ops"], r["bytes"]) for r in io] == [("file", "write", 4, 400)]
 
 
@@ -175,7 +175,7 @@ def test_evaluate_stores_dedups_and_posts_to_the_webhook(store):
         assert alert.rank == 3
         assert evaluate(store, ruleset) == []  # already known
         assert len(received) == 1 and received[0]["alerts"][0]["rank"] == 3
-        [row] = q.alerts(store, rule="slow_rank")
+        [row] = [a for a in dq.alerts(store).to_dict("records") if a["rule"] == "slow_rank"]
         assert row["alert_id"] == alert.alert_id and "rank 3" in row["message"]
     finally:
         server.shutdown()
