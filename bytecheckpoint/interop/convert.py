@@ -1,0 +1,469 @@
+"""``bcp convert``: PyTorch DCP directories and ``torch.save`` files to bytecheckpoint, and back.
+
+Into bytecheckpoint (``--from dcp`` / ``--from torch``) the bytes stream: each stored box is
+copied block by block (``block`` bytes at most, a multiple of the checksum chunk) from the
+source into the checkpoint's storage files, checksummed on the way, then the metadata is
+written last and committed exactly as a save commits (save lock, staging, ``latest``).
+A DCP source is read through :class:`.dcp_load.DcpStorage`, so its pickled ``.metadata`` is
+never unpickled normally; a ``torch.save`` file goes through ``torch.load(weights_only=True,
+mmap=True)``, which refuses any class beyond tensors and plain containers.
+
+Back to DCP (``--to dcp``) tensors are loaded whole (the library's resharding load) in batches
+of at most ``max_memory`` bytes; each batch is one ``dcp.save`` into its own file, and the
+batches' DCP metadata are merged into one ``.metadata``. A single tensor larger than the cap
+is a batch of its own, so the peak is max(cap, largest tensor).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import posixpath
+import shutil
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import codec, save_lock
+from ..checksums import DEFAULT_CHUNK_BYTES
+from ..commit import abandon, begin_save, commit, data_file_name, update_latest
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    InvalidArgumentError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
+from ..export import ExportError
+from ..metadata import METADATA_FILE, BoxTable, ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta, TensorMeta
+from ..storage import Storage, open_storage, split_url
+
+Progress = Callable[[int], None]
+Reader = Callable[[int, int], memoryview]  # (offset inside the entry, length) -> bytes
+
+MIN_MEMORY = 1 << 20
+
+
+class ConvertError(ExportError):
+    """An input a conversion cannot use (a refused pickle, no tensors, a name it cannot map):
+    exit code 2 in ``bcp``, as an unusable export/import input."""
+
+
+@dataclass(frozen=True)
+class _Box:
+    tensor: int  # index into the tensor list
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    nbytes: int
+    read: Reader
+
+
+@dataclass(frozen=True)
+class _Object:
+    key: str
+    rank: int | None
+    nbytes: int
+    read: Reader
+
+
+@dataclass
+class ConvertResult:
+    path: str
+    tensors: int
+    bytes: int
+    skipped: list[str] = field(default_factory=list)
+
+
+def _block(max_memory: int) -> tuple[int, int]:
+    """(checksum chunk, copy block): a block is a multiple of the chunk and a quarter of the cap."""
+    if max_memory < MIN_MEMORY:
+        raise InvalidArgumentError(f"--max-memory {max_memory}: at least {MIN_MEMORY} bytes (1 MiB)")
+    chunk = DEFAULT_CHUNK_BYTES
+    while chunk > max_memory // 4 and chunk > 64 << 10:
+        chunk //= 2
+    block = max(chunk, (max_memory // 4) // chunk * chunk)
+    return chunk, block
+
+
+def _parts(read: Reader, nbytes: int, block: int, progress: Progress | None) -> Iterator[memoryview]:
+    for off in range(0, nbytes, block):
+        data = read(off, min(block, nbytes - off))
+        yield data
+        if progress is not None:
+            progress(len(data))
+
+
+def _storage_reader(storage: Storage, path: str, base: int, source: str) -> Reader:
+    def read(off: int, n: int) -> memoryview:
+        buf = bytearray(n)
+        got = storage.read_into(path, base + off, memoryview(buf))
+        if got != n:
+            raise UnsafeCheckpointError(f"{source}: {path} ends {n - got} bytes early (truncated)")
+        return memoryview(buf)
+
+    return read
+
+
+def write_checkpoint(dst: str, tensors: list[TensorMeta], boxes: list[_Box], objects: list[_Object], *,
+                     framework: str, layout: dict[str, Any], user_metadata: dict[str, Any],
+                     overwrite: bool, max_memory: int, progress: Progress | None = None
+                     ) -> CheckpointMetadata:
+    """Write and commit a one-writer checkpoint at ``dst`` from entries read on demand.
+
+    ``boxes`` must be sorted by tensor index (the metadata's order)."""
+    from ..dtypes import safetensors_code
+    from ..engine.files import Piece, write_file
+
+    chunk, block = _block(max_memory)
+    storage, path = open_storage(dst)
+    path = path.rstrip("/") or path
+    save_id = uuid.uuid4().hex[:12]
+    lock = save_lock.acquire(storage, path, save_id)
+    try:
+        try:
+            staging = begin_save(storage, path, overwrite, save_id, lock=lock)
+        except CheckpointExistsError:
+            raise CheckpointExistsError(f"{dst} already holds a checkpoint (pass --overwrite to replace "
+                                        "it)") from None
+        try:
+            kinds: dict[str, list[tuple[Any, Any]]] = {"model": [], "optim": [], "extra": []}
+            for b in boxes:
+                key = tensors[b.tensor].key
+                kind = "model" if key.split("/", 1)[0] == "model" else "optim"
+                name = f"{key}@{','.join(map(str, b.offsets))}"
+                code = safetensors_code(tensors[b.tensor].dtype)
+                kinds[kind].append((b, Piece(name, code, b.lengths, b.nbytes, None,
+                                             parts=lambda b=b: _parts(b.read, b.nbytes, block, progress))))
+            for o in objects:
+                label = f"rank{o.rank}:{o.key}" if o.rank is not None else f"shared:{o.key}"
+                kinds["extra"].append((o, Piece(f"__object__/{label}", "U8", (o.nbytes,), o.nbytes, None,
+                                                parts=lambda o=o: _parts(o.read, o.nbytes, block, progress))))
+            files: list[FileMeta] = []
+            placed: dict[int, tuple[int, Any]] = {}
+            for kind, entries in kinds.items():
+                if not entries:
+                    continue
+                fname = data_file_name(kind, "00000")
+                size, written = write_file(storage, storage.join(staging, fname), [p for _, p in entries],
+                                           chunk, {"format": "bytecheckpoint", "rank": "0", "kind": kind})
+                for (entry, _), w in zip(entries, written):
+                    placed[id(entry)] = (len(files), w)
+                files.append(FileMeta(fname, size, 0, kind))
+            meta = _metadata(tensors, boxes, objects, files, placed, chunk, framework=framework,
+                             layout=layout, user_metadata=user_metadata)
+            raw = meta.to_bytes()
+            CheckpointMetadata.from_bytes(raw, source=dst)  # the library's own checks, before commit
+            storage.write_bytes(storage.join(staging, METADATA_FILE), raw)
+            commit(storage, staging, path, overwrite, save_id)
+        except BaseException:
+            abandon(storage, staging, path, save_id)
+            raise
+        update_latest(storage, path, None, save_id)
+    finally:
+        lock.release()
+    return meta
+
+
+def _metadata(tensors: list[TensorMeta], boxes: list[_Box], objects: list[_Object], files: list[FileMeta],
+              placed: dict[int, tuple[int, Any]], chunk: int, **fields: Any) -> CheckpointMetadata:
+    i64 = np.int64
+
+    def starts(counts: np.ndarray) -> np.ndarray:
+        return (np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts).astype(i64)
+
+    cols = [placed[id(b)] for b in boxes]
+    n_chunks = np.array([len(w.checksums) for _, w in cols], dtype=i64)
+    ndims = np.array([len(b.offsets) for b in boxes], dtype=i64)
+    table = BoxTable(
+        tensor=np.array([b.tensor for b in boxes], dtype=np.int32),
+        offsets=np.array([o for b in boxes for o in b.offsets], dtype=i64),
+        lengths=np.array([n for b in boxes for n in b.lengths], dtype=i64),
+        dim_start=starts(ndims),
+        file=np.array([f for f, _ in cols], dtype=np.int32),
+        byte_offset=np.array([w.byte_offset for _, w in cols], dtype=i64),
+        byte_length=np.array([w.byte_length for _, w in cols], dtype=i64),
+        checksum_start=starts(n_chunks),
+        checksums=np.array([s for _, w in cols for s in w.checksums], dtype=np.uint64),
+    )
+    objs = []
+    for o in objects:
+        f, w = placed[id(o)]
+        objs.append(ObjectMeta(o.key, o.rank, ByteMeta(files[f].name, w.byte_offset, w.byte_length,
+                                                        w.checksums)))
+    return CheckpointMetadata(tensors=tensors, boxes=table, objects=objs, files=files, chunk_bytes=chunk,
+                              world_size=1, **fields)
+
+
+# -- DCP -> bytecheckpoint ---------------------------------------------------------------------
+
+def from_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
+             progress: Progress | None = None) -> ConvertResult:
+    """Convert the DCP directory ``src`` into a bytecheckpoint checkpoint at ``dst``, streaming."""
+    from ..integrity import read_metadata, resolve
+    from .dcp_load import DcpStorage
+
+    storage, path = resolve(src)
+    if not isinstance(storage, DcpStorage):
+        raise NotACheckpointError(f"{src} is a bytecheckpoint checkpoint, not a DCP directory (it has "
+                                  "metadata.msgpack); convert it with --to dcp, or copy it as it is")
+    meta = read_metadata(storage, path)
+    boxes = []
+    for row in range(len(meta.boxes)):
+        t = meta.boxes
+        ti = int(t.tensor[row])
+        nd = len(meta.tensors[ti].shape)
+        start = int(t.dim_start[row])
+        fpath = posixpath.join(path, meta.files[int(t.file[row])].name)
+        boxes.append(_Box(ti, tuple(int(x) for x in t.offsets[start:start + nd]),
+                          tuple(int(x) for x in t.lengths[start:start + nd]), int(t.byte_length[row]),
+                          _storage_reader(storage, fpath, int(t.byte_offset[row]), src)))
+    objects = [_Object(o.key, o.rank, o.bytes.byte_length,
+                       _storage_reader(storage, posixpath.join(path, o.bytes.file), o.bytes.byte_offset, src))
+               for o in meta.objects]
+    skipped = list(meta.layout.get("skipped", []))
+    out = write_checkpoint(dst, list(meta.tensors), boxes, objects, framework="dcp",
+                           layout={"source": "dcp", "skipped": skipped},
+                           user_metadata={"converted_from": storage.url(path)}, overwrite=overwrite,
+                           max_memory=max_memory, progress=progress)
+    return ConvertResult(dst, len(out.tensors), out.total_bytes, skipped)
+
+
+# -- torch.save -> bytecheckpoint --------------------------------------------------------------
+
+def _load_torch(src: str) -> Any:
+    import torch
+
+    if split_url(src)[0] != "file":
+        raise InvalidArgumentError(f"{src}: --from torch reads a local file")
+    try:
+        return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0][:300]
+        raise ConvertError(
+            f"{src}: refused: torch.load(weights_only=True) will not read it ({reason}); it needs the "
+            "full unpickler, which can run any code. Load it in trusted code and save its tensors "
+            "(torch.save of a dict of tensors), then convert that") from None
+    except (RuntimeError, ValueError, EOFError) as exc:
+        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise ConvertError(f"{src}: not a readable torch.save file ({reason}); convert reads "
+                                    "files written by torch.save (the zip format of torch >= 1.6)") from None
+
+
+def _flatten(value: Any, path: tuple[str, ...], out: list[tuple[tuple[str, ...], Any]]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, (*path, str(k)), out)
+    else:
+        out.append((path, value))
+
+
+def from_torch(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
+               progress: Progress | None = None) -> ConvertResult:
+    """Convert a ``torch.save`` state dict into a checkpoint: a flat dict of tensors becomes
+    ``model/<name>``; a dict of dicts keeps its top-level keys as groups (``model``,
+    ``optimizer``...), deeper levels joined with '/'. Values that are not tensors are named in
+    ``skipped``."""
+    import torch
+
+    from ..dtypes import dtype_name
+    from ..engine.writer import tensor_bytes
+
+    state = _load_torch(src)
+    if not isinstance(state, dict):
+        raise ConvertError(f"{src} holds a {type(state).__name__}, not a state dict")
+    leaves: list[tuple[tuple[str, ...], Any]] = []
+    _flatten(state, (), leaves)
+    if any(len(p) == 1 and isinstance(v, torch.Tensor) for p, v in leaves):
+        leaves = [(("model", *p), v) for p, v in leaves]  # a bare model state dict
+    named: dict[str, torch.Tensor] = {}
+    skipped = []
+    for p, v in leaves:
+        if not isinstance(v, torch.Tensor) or len(p) < 2:
+            skipped.append(f"{'.'.join(p)} (a {type(v).__name__}, not a tensor)")
+            continue
+        key = f"{p[0]}/{'/'.join(p[1:])}" if p[0] != "model" else f"model/{'.'.join(p[1:])}"
+        if any(not part for part in p):
+            skipped.append(f"{'.'.join(p)} (an empty name)")
+            continue
+        if key in named:
+            raise ConvertError(f"{src}: two entries map to the key {key!r}")
+        try:
+            dtype_name(v.dtype)
+        except CheckpointError as exc:
+            raise ConvertError(f"{src}: {'.'.join(p)}: {exc}") from None
+        if v.is_sparse or v.layout != torch.strided:
+            raise ConvertError(f"{src}: {'.'.join(p)} is a {v.layout} tensor; only dense tensors convert")
+        named[key] = v
+    if not named:
+        raise ConvertError(f"{src} holds no tensors to convert")
+    tensors = [TensorMeta(k, dtype_name(named[k].dtype), tuple(named[k].shape)) for k in sorted(named)]
+
+    def reader(t: torch.Tensor) -> Reader:
+        return lambda off, n: tensor_bytes(t)[off:off + n]
+
+    boxes = [_Box(i, (0,) * len(tm.shape), tm.shape, named[tm.key].numel() * named[tm.key].element_size(),
+                  reader(named[tm.key])) for i, tm in enumerate(tensors)]
+    out = write_checkpoint(dst, tensors, boxes, [], framework="torch", layout={"source": "torch.save",
+                           "skipped": skipped}, user_metadata={"converted_from": os.path.abspath(src)},
+                           overwrite=overwrite, max_memory=max_memory, progress=progress)
+    return ConvertResult(dst, len(out.tensors), out.total_bytes, skipped)
+
+
+# -- bytecheckpoint -> DCP ---------------------------------------------------------------------
+
+def _nest(state: dict[str, Any], key: str, value: Any) -> None:
+    top, _, rest = key.partition("/")
+    node = state.setdefault(top, {})
+    if top == "model" or not rest:
+        if rest:
+            node[rest] = value
+        else:
+            state[top] = value
+        return
+    parts = rest.split("/")
+    if parts[0] == "state" and len(parts) >= 3:  # optimizer state: state/<fqn>/<name>
+        node.setdefault("state", {}).setdefault("/".join(parts[1:-1]), {})[parts[-1]] = value
+        return
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def _param_groups(per_fqn: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``get_state_dict``'s param_groups from bytecheckpoint's per-parameter hyperparameters:
+    parameters with equal hyperparameters form one group, in first-seen order."""
+    groups: list[dict[str, Any]] = []
+    for fqn, hp in per_fqn.items():
+        for g in groups:
+            if {k: v for k, v in g.items() if k != "params"} == hp:
+                g["params"].append(fqn)
+                break
+        else:
+            groups.append({**hp, "params": [fqn]})
+    return groups
+
+
+def _check_dst_dir(dst: str, overwrite: bool) -> str:
+    scheme, local = split_url(dst)
+    if scheme != "file":
+        raise InvalidArgumentError(f"{dst}: --to dcp writes a local directory (DCP's FileSystemWriter)")
+    local = os.path.abspath(local)
+    if os.path.lexists(local):
+        is_ckpt = os.path.isdir(local) and (not os.listdir(local) or any(
+            os.path.exists(os.path.join(local, n)) for n in (".metadata", METADATA_FILE)))
+        if not is_ckpt:
+            raise NotACheckpointError(f"{dst} exists and is not a checkpoint; convert refuses to replace "
+                                      "it: choose another DST")
+        if not overwrite:
+            raise CheckpointExistsError(f"{dst} already exists (pass --overwrite to replace it)")
+    return local
+
+
+def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
+           progress: Progress | None = None) -> ConvertResult:
+    """Write the checkpoint ``src`` as a DCP directory ``dst`` that ``dcp.load`` reads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ..export import _load_full
+    from ..integrity import read_metadata, resolve
+
+    _block(max_memory)
+    local = _check_dst_dir(dst, overwrite)
+    storage, path = resolve(src)
+    meta = read_metadata(storage, path)
+    url = storage.url(path)
+    batches: list[list[TensorMeta]] = [[]]
+    size = 0
+    for tm in meta.tensors:
+        if batches[-1] and size + tm.nbytes > max_memory // 2:
+            batches.append([])
+            size = 0
+        batches[-1].append(tm)
+        size += tm.nbytes
+    tail: dict[str, Any] = {}
+    per_fqn: dict[str, dict[str, dict[str, Any]]] = {}
+    for o in meta.objects:
+        if o.rank not in (None, 0):
+            continue  # per-rank state: rank 0's copy stands for a one-process DCP save
+        buf = bytearray(o.bytes.byte_length)
+        storage.read_into(posixpath.join(path, o.bytes.file), o.bytes.byte_offset, memoryview(buf))
+        value = codec.decode(bytes(buf))
+        top, _, rest = o.key.partition("/")
+        if rest.startswith("param_groups/"):
+            per_fqn.setdefault(top, {})[rest[len("param_groups/"):]] = value
+        else:
+            _nest(tail, o.key, value)
+    for top, hp in per_fqn.items():
+        tail.setdefault(top, {})["param_groups"] = _param_groups(hp)
+
+    tmp = f"{local}.convert-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    try:
+        merged: Metadata | None = None
+        for i, batch in enumerate(batches):
+            state: dict[str, Any] = {}
+            for key, t in _load_full(url, [(tm.key, tm) for tm in batch]).items():
+                _nest(state, key, t)
+            if i == len(batches) - 1:
+                _merge_into(state, tail)
+            sub = os.path.join(tmp, f"batch{i}")
+            writer = FileSystemWriter(sub, single_file_per_rank=True)
+            with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                md = dcp.save(state, storage_writer=writer, no_dist=True)
+            merged = _merge(merged, md, sub, tmp, i)
+            shutil.rmtree(sub)
+            if progress is not None:
+                progress(sum(tm.nbytes for tm in batch))
+            del state
+        with open(os.path.join(tmp, ".metadata.tmp"), "wb") as f:
+            pickle.dump(merged, f)  # written by us, of torch's own classes: what dcp.load reads
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(tmp, ".metadata.tmp"), os.path.join(tmp, ".metadata"))
+        if os.path.lexists(local):
+            shutil.rmtree(local)
+        os.replace(tmp, local)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConvertResult(local, len(meta.tensors), meta.total_bytes, [])
+
+
+def _merge_into(state: dict[str, Any], extra: dict[str, Any]) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(state.get(k), dict):
+            _merge_into(state[k], v)
+        else:
+            state[k] = v
+
+
+def _merge(merged: Any, md: Any, sub: str, root: str, batch: int) -> Any:
+    """Move one batch's files into ``root`` (renamed ``__0_<batch>_<name>``) and fold its DCP
+    metadata into ``merged``: storage_data points at the renamed files."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    renamed = {}
+    for name in os.listdir(sub):
+        if name.endswith(".distcp"):
+            new = f"__0_{batch}_{name.lstrip('_')}"
+            os.replace(os.path.join(sub, name), os.path.join(root, new))
+            renamed[name] = new
+    storage_data = {idx: _StorageInfo(renamed[info.relative_path], info.offset, info.length,
+                                      getattr(info, "transform_descriptors", None))
+                    for idx, info in md.storage_data.items()}
+    if merged is None:
+        md.storage_data = storage_data
+        md.storage_meta = None
+        return md
+    merged.state_dict_metadata.update(md.state_dict_metadata)
+    merged.storage_data.update(storage_data)
+    if md.planner_data:
+        merged.planner_data = {**(merged.planner_data or {}), **md.planner_data}
+    return merged
