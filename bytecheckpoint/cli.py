@@ -52,7 +52,7 @@ EXIT_BROKEN_PIPE = 141  # the reader of the output went away (| head), as for SI
 EPILOG = """exit codes:
   0  success
   1  the check failed: verify found bad files, gc could not delete a checkpoint
-  2  bad command line or option value, or an unusable export/import input
+  2  bad command line or option value, or an unusable export/import/convert input
   3  not a checkpoint (nothing there, or a save that never committed)
   4  corrupt or unsafe checkpoint (unreadable metadata, missing or damaged file)
   5  the output already exists (pass --overwrite)

@@ -70,7 +70,8 @@ def test_round_trip_dcp_to_bcp_to_dcp(world, dcp_dir, tmp_path):
 
 def test_from_torch_full_state_dict(tmp_path):
     sd = {"layer.weight": torch.randn(7, 5), "layer.bias": torch.arange(5, dtype=torch.bfloat16),
-          "count": torch.tensor(3, dtype=torch.int64)}
+          "count": torch.tensor(3, dtype=torch.int64), "t": torch.randn(6, 3).t(),  # strided
+          "empty": torch.zeros(0, 4)}
     src, dst = str(tmp_path / "model.pt"), str(tmp_path / "ck")
     torch.save(sd, src)
     assert bcp("--from", "torch", src, dst, "-q") == 0
@@ -82,6 +83,16 @@ def test_from_torch_full_state_dict(tmp_path):
     bcp_lib.load(dst, {"model": target}, framework="manual")
     for k, v in sd.items():
         assert same_bits(v, target[k].data), k
+
+
+def test_dst_overlapping_src_is_refused(dcp_dir, tmp_path, capsys):
+    src, _ = dcp_dir
+    before = sorted(os.listdir(src))
+    assert bcp("--from", "dcp", src, os.path.join(src, "inside")) == 2
+    assert bcp("--to", "dcp", src, src, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "overlaps SRC" in err and "is SRC" in err, err
+    assert sorted(os.listdir(src)) == before
 
 
 class Evil:
@@ -129,7 +140,9 @@ def test_wrong_direction_and_bad_cap_are_usage_errors(dcp_dir, tmp_path, capsys)
     src, _ = dcp_dir
     assert bcp("--from", "dcp", src, str(tmp_path / "a"), "--max-memory", "12") == 2
     assert bcp("--from", "dcp", src, str(tmp_path / "b"), "--max-memory", "lots") == 2
-    assert bcp("--from", "dcp", str(tmp_path), str(tmp_path / "c")) == 3  # no .metadata there
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert bcp("--from", "dcp", str(empty), str(tmp_path / "c")) == 3  # no .metadata there
     assert bcp("--from", "dcp", str(tmp_path / "missing"), str(tmp_path / "d")) == 3
     err = capsys.readouterr().err
     assert "Traceback" not in err

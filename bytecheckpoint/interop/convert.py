@@ -34,7 +34,6 @@ from ..commit import abandon, begin_save, commit, data_file_name, update_latest
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
-    InvalidArgumentError,
     NotACheckpointError,
     UnsafeCheckpointError,
 )
@@ -81,7 +80,7 @@ class ConvertResult:
 def _block(max_memory: int) -> tuple[int, int]:
     """(checksum chunk, copy block): a block is a multiple of the chunk and a quarter of the cap."""
     if max_memory < MIN_MEMORY:
-        raise InvalidArgumentError(f"--max-memory {max_memory}: at least {MIN_MEMORY} bytes (1 MiB)")
+        raise ConvertError(f"--max-memory {max_memory}: at least {MIN_MEMORY} bytes (1 MiB)")
     chunk = DEFAULT_CHUNK_BYTES
     while chunk > max_memory // 4 and chunk > 64 << 10:
         chunk //= 2
@@ -206,6 +205,7 @@ def from_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     from ..integrity import read_metadata, resolve
     from .dcp_load import DcpStorage
 
+    _check_apart(src, dst)
     storage, path = resolve(src)
     if not isinstance(storage, DcpStorage):
         raise NotACheckpointError(f"{src} is a bytecheckpoint checkpoint, not a DCP directory (it has "
@@ -238,7 +238,7 @@ def _load_torch(src: str) -> Any:
     import torch
 
     if split_url(src)[0] != "file":
-        raise InvalidArgumentError(f"{src}: --from torch reads a local file")
+        raise ConvertError(f"{src}: --from torch reads a local file")
     try:
         return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
@@ -272,6 +272,7 @@ def from_torch(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     from ..dtypes import dtype_name
     from ..engine.writer import tensor_bytes
 
+    _check_apart(src, dst)
     state = _load_torch(src)
     if not isinstance(state, dict):
         raise ConvertError(f"{src} holds a {type(state).__name__}, not a state dict")
@@ -286,8 +287,8 @@ def from_torch(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
             skipped.append(f"{'.'.join(p)} (a {type(v).__name__}, not a tensor)")
             continue
         key = f"{p[0]}/{'/'.join(p[1:])}" if p[0] != "model" else f"model/{'.'.join(p[1:])}"
-        if any(not part for part in p):
-            skipped.append(f"{'.'.join(p)} (an empty name)")
+        if any(not part or "/" in part for part in p):
+            skipped.append(f"{'.'.join(p)} (an empty name or one with '/', bytecheckpoint's separator)")
             continue
         if key in named:
             raise ConvertError(f"{src}: two entries map to the key {key!r}")
@@ -302,8 +303,16 @@ def from_torch(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
         raise ConvertError(f"{src} holds no tensors to convert")
     tensors = [TensorMeta(k, dtype_name(named[k].dtype), tuple(named[k].shape)) for k in sorted(named)]
 
+    last: dict[int, memoryview] = {}  # one tensor's bytes: a strided tensor is made contiguous once
+
     def reader(t: torch.Tensor) -> Reader:
-        return lambda off, n: tensor_bytes(t)[off:off + n]
+        def read(off: int, n: int) -> memoryview:
+            if id(t) not in last:
+                last.clear()
+                last[id(t)] = tensor_bytes(t)  # a view of the mapped file when contiguous
+            return last[id(t)][off:off + n]
+
+        return read
 
     boxes = [_Box(i, (0,) * len(tm.shape), tm.shape, named[tm.key].numel() * named[tm.key].element_size(),
                   reader(named[tm.key])) for i, tm in enumerate(tensors)]
@@ -347,10 +356,21 @@ def _param_groups(per_fqn: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return groups
 
 
+def _check_apart(src: str, dst: str) -> None:
+    """DST must not be SRC, inside it or around it: writing or replacing it would change SRC."""
+    (s_scheme, s_path), (d_scheme, d_path) = split_url(src), split_url(dst)
+    if s_scheme != "file" or d_scheme != "file":
+        return
+    a, b = os.path.realpath(s_path), os.path.realpath(d_path)
+    if os.path.commonpath([a, b]) in (a, b):
+        raise ConvertError(f"DST {dst} {'is' if a == b else 'overlaps'} SRC {src}: choose a path "
+                                   "outside it")
+
+
 def _check_dst_dir(dst: str, overwrite: bool) -> str:
     scheme, local = split_url(dst)
     if scheme != "file":
-        raise InvalidArgumentError(f"{dst}: --to dcp writes a local directory (DCP's FileSystemWriter)")
+        raise ConvertError(f"{dst}: --to dcp writes a local directory (DCP's FileSystemWriter)")
     local = os.path.abspath(local)
     if os.path.lexists(local):
         is_ckpt = os.path.isdir(local) and (not os.listdir(local) or any(
@@ -374,6 +394,7 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     from ..integrity import read_metadata, resolve
 
     _block(max_memory)
+    _check_apart(src, dst)
     local = _check_dst_dir(dst, overwrite)
     storage, path = resolve(src)
     meta = read_metadata(storage, path)
@@ -387,10 +408,12 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
         batches[-1].append(tm)
         size += tm.nbytes
     tail: dict[str, Any] = {}
+    skipped = [f"dataloader state ({len(meta.loader)} entries): DCP has no place for it"] * bool(meta.loader)
     per_fqn: dict[str, dict[str, dict[str, Any]]] = {}
     for o in meta.objects:
-        if o.rank not in (None, 0):
-            continue  # per-rank state: rank 0's copy stands for a one-process DCP save
+        if o.rank not in (None, 0):  # per-rank state: rank 0's copy stands for a one-process save
+            skipped.append(f"{o.key} of rank {o.rank} (rank 0's copy kept)")
+            continue
         buf = bytearray(o.bytes.byte_length)
         storage.read_into(posixpath.join(path, o.bytes.file), o.bytes.byte_offset, memoryview(buf))
         value = codec.decode(bytes(buf))
@@ -433,7 +456,7 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ConvertResult(local, len(meta.tensors), meta.total_bytes, [])
+    return ConvertResult(local, len(meta.tensors), meta.total_bytes, skipped)
 
 
 def _merge_into(state: dict[str, Any], extra: dict[str, Any]) -> None:
