@@ -17,6 +17,7 @@ from tests import dcp_workloads as w
 from tests.frameworks import fsdp2_train_save_canonical
 from tests.helpers import same_bits
 
+EXTRA = {"step": 2, "name": "run-7", "sizes": [1, 2.5]}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,7 +37,7 @@ def bcp(*argv: str) -> int:
 @pytest.fixture(scope="module")
 def dcp_dir(world, tmp_path_factory) -> tuple[str, dict[str, Any]]:
     path = str(tmp_path_factory.mktemp("dcp") / "fsdp2")
-    return path, world(4).run(w.dcp_fsdp2_save, path, 2)[0]
+    return path, world(4).run(w.dcp_fsdp2_save, path, 2, EXTRA)[0]
 
 
 def test_from_dcp_loads_on_2_ranks_and_verifies(world, dcp_dir, tmp_path):
@@ -47,6 +48,9 @@ def test_from_dcp_loads_on_2_ranks_and_verifies(world, dcp_dir, tmp_path):
     assert main(["verify", dst, "-q"]) == 0
     for got in world(2).run(w.bcp_fsdp2_load, dst):
         assert_same(ref, got)
+    got = w.bcp_plain_load(dst, extra=True)  # one process, with the extra state DCP stored
+    assert_same(ref, got["canonical"])
+    assert got["extra"] == EXTRA
 
 
 def test_to_dcp_loads_with_dcp_into_fsdp2_on_2_ranks(world, tmp_path):

@@ -109,11 +109,12 @@ def _storage_reader(storage: Storage, path: str, base: int, source: str) -> Read
 
 def write_checkpoint(dst: str, tensors: list[TensorMeta], boxes: list[_Box], objects: list[_Object], *,
                      framework: str, layout: dict[str, Any], user_metadata: dict[str, Any],
-                     overwrite: bool, max_memory: int, progress: Progress | None = None
+                     world_size: int = 1, overwrite: bool, max_memory: int, progress: Progress | None = None
                      ) -> CheckpointMetadata:
     """Write and commit a one-writer checkpoint at ``dst`` from entries read on demand.
 
-    ``boxes`` must be sorted by tensor index (the metadata's order)."""
+    ``boxes`` must be sorted by tensor index (the metadata's order). ``world_size`` is the
+    saving world the metadata records: per-rank objects exist for each of its ranks."""
     from ..dtypes import safetensors_code
     from ..engine.files import Piece, write_file
 
@@ -153,7 +154,7 @@ def write_checkpoint(dst: str, tensors: list[TensorMeta], boxes: list[_Box], obj
                     placed[id(entry)] = (len(files), w)
                 files.append(FileMeta(fname, size, 0, kind))
             meta = _metadata(tensors, boxes, objects, files, placed, chunk, framework=framework,
-                             layout=layout, user_metadata=user_metadata)
+                             layout=layout, user_metadata=user_metadata, world_size=world_size)
             raw = meta.to_bytes()
             CheckpointMetadata.from_bytes(raw, source=dst)  # the library's own checks, before commit
             storage.write_bytes(storage.join(staging, METADATA_FILE), raw)
@@ -194,7 +195,7 @@ def _metadata(tensors: list[TensorMeta], boxes: list[_Box], objects: list[_Objec
         objs.append(ObjectMeta(o.key, o.rank, ByteMeta(files[f].name, w.byte_offset, w.byte_length,
                                                         w.checksums)))
     return CheckpointMetadata(tensors=tensors, boxes=table, objects=objs, files=files, chunk_bytes=chunk,
-                              world_size=1, **fields)
+                              **fields)
 
 
 # -- DCP -> bytecheckpoint ---------------------------------------------------------------------
@@ -228,6 +229,7 @@ def from_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     out = write_checkpoint(dst, list(meta.tensors), boxes, objects, framework="dcp",
                            layout={"source": "dcp", "skipped": skipped},
                            user_metadata={"converted_from": storage.url(path)}, overwrite=overwrite,
+                           world_size=meta.world_size,
                            max_memory=max_memory, progress=progress)
     return ConvertResult(dst, len(out.tensors), out.total_bytes, skipped)
 
