@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from typing import Any
@@ -114,6 +115,34 @@ def test_from_torch_refuses_what_weights_only_refuses(tmp_path, capsys, monkeypa
     assert "refused" in err and "weights_only" in err and len(err.strip().splitlines()) == 1
     assert not os.path.exists(tmp_path / "MARKER")
     assert not os.path.exists(tmp_path / "ck")
+
+
+def test_hostile_dcp_metadata_runs_no_code(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "dcp"
+    src.mkdir()
+    (src / ".metadata").write_bytes(pickle.dumps(Evil()))
+    assert bcp("--from", "dcp", str(src), str(tmp_path / "ck")) == 4
+    err = capsys.readouterr().err
+    assert "posix.system" in err or "system" in err, err
+    assert not os.path.exists(tmp_path / "MARKER")
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_damaged_object_is_named_on_the_way_back(tmp_path, capsys):
+    import bytecheckpoint as bcp_lib
+    from bytecheckpoint.integrity import read_metadata, resolve
+
+    src = str(tmp_path / "ck")
+    bcp_lib.save(src, {"model": {"w": torch.ones(3)}, "extra": {"note": "x" * 100}})
+    storage, path = resolve(src)
+    obj = read_metadata(storage, path).objects[0].bytes
+    with open(os.path.join(src, obj.file), "r+b") as f:
+        f.seek(obj.byte_offset + obj.byte_length - 3)
+        f.write(b"zzz")
+    assert bcp("--to", "dcp", src, str(tmp_path / "out"), "-q") == 4
+    assert "checksum" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no output, no half-built directory beside it
 
 
 def test_not_a_torch_file_is_a_named_error(tmp_path, capsys):

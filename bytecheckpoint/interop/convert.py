@@ -29,11 +29,12 @@ from typing import Any
 import numpy as np
 
 from .. import codec, save_lock
-from ..checksums import DEFAULT_CHUNK_BYTES
+from ..checksums import DEFAULT_CHUNK_BYTES, chunk_checksums
 from ..commit import abandon, begin_save, commit, data_file_name, update_latest
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
+    CorruptCheckpointError,
     NotACheckpointError,
     UnsafeCheckpointError,
 )
@@ -416,9 +417,13 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
         if o.rank not in (None, 0):  # per-rank state: rank 0's copy stands for a one-process save
             skipped.append(f"{o.key} of rank {o.rank} (rank 0's copy kept)")
             continue
-        buf = bytearray(o.bytes.byte_length)
-        storage.read_into(posixpath.join(path, o.bytes.file), o.bytes.byte_offset, memoryview(buf))
-        value = codec.decode(bytes(buf))
+        data = _storage_reader(storage, posixpath.join(path, o.bytes.file), o.bytes.byte_offset, url)(
+            0, o.bytes.byte_length)
+        if getattr(storage, "checksummed", True) and tuple(
+                chunk_checksums(data, meta.chunk_bytes)) != tuple(o.bytes.checksums):
+            raise CorruptCheckpointError(f"{url}: the bytes of object {o.key!r} in {o.bytes.file} do not "
+                                         "match their checksum")
+        value = codec.decode(bytes(data))
         top, _, rest = o.key.partition("/")
         if rest.startswith("param_groups/"):
             per_fqn.setdefault(top, {})[rest[len("param_groups/"):]] = value
