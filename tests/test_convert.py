@@ -166,6 +166,7 @@ def test_existing_dst_refused_unless_overwrite(dcp_dir, tmp_path, capsys):
     other.mkdir()
     (other / "keep.txt").write_text("mine")
     assert bcp("--to", "dcp", dst, str(other), "-q", "--overwrite") == 3  # never replaces a stranger
+    assert bcp("--from", "dcp", dst, str(tmp_path / "again"), "-q") == 3  # a bcp checkpoint, not DCP
     assert (other / "keep.txt").read_text() == "mine"
 
 

@@ -228,7 +228,7 @@ def from_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
                for o in meta.objects]
     skipped = list(meta.layout.get("skipped", []))
     out = write_checkpoint(dst, list(meta.tensors), boxes, objects, framework="dcp",
-                           layout={"source": "dcp", "skipped": skipped},
+                           layout={"source": "dcp", **({"skipped": skipped} if skipped else {})},
                            user_metadata={"converted_from": storage.url(path)}, overwrite=overwrite,
                            world_size=meta.world_size,
                            max_memory=max_memory, progress=progress)
@@ -319,8 +319,9 @@ def from_torch(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
 
     boxes = [_Box(i, (0,) * len(tm.shape), tm.shape, named[tm.key].numel() * named[tm.key].element_size(),
                   reader(named[tm.key])) for i, tm in enumerate(tensors)]
-    out = write_checkpoint(dst, tensors, boxes, [], framework="torch", layout={"source": "torch.save",
-                           "skipped": skipped}, user_metadata={"converted_from": os.path.abspath(src)},
+    layout: dict[str, Any] = {"source": "torch.save", **({"skipped": skipped} if skipped else {})}
+    out = write_checkpoint(dst, tensors, boxes, [], framework="torch", layout=layout,
+                           user_metadata={"converted_from": os.path.abspath(src)},
                            overwrite=overwrite, max_memory=max_memory, progress=progress)
     return ConvertResult(dst, len(out.tensors), out.total_bytes, skipped)
 
