@@ -63,11 +63,23 @@ def _control_group(group: Any) -> Any:
     key = group if group is not None else "default"
     if key not in _GLOO_GROUPS:
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        # Only the members create it (a load on a subgroup is called by its members alone),
-        # under a name made from its ranks: subgroups that pipeline stages create on their
-        # own cannot collide, as they do under the default name (a global counter).
-        _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        _GLOO_GROUPS[key] = gloo_group_of(ranks)
     return _GLOO_GROUPS[key]
+
+
+def gloo_group_of(ranks: list[int]) -> Any:
+    """A new gloo group of ``ranks``, created by its members alone.
+
+    A subgroup (a load on a pipeline stage's group, called by its members only) is created
+    with local synchronization: its name comes from its ranks and the number of groups the
+    process already has. That count differs between ranks whose histories differ (one rank
+    failed before creating a group its peers made), and then the members wait for each other
+    under different names forever. A group of the whole world needs no such name: every
+    rank is a member and calls this, so the plain world-wide creation (a shared counter) is
+    both correct and immune to differing histories."""
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=list(ranks), backend="gloo")
+    return dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
 
 
 def _save_group(group: Any) -> Any:
@@ -79,8 +91,7 @@ def _save_group(group: Any) -> Any:
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     if ranks not in _SAVE_GROUPS:
         # Only the member ranks take part in creating it (every one of them is saving).
-        _SAVE_GROUPS[ranks] = dist.new_group(ranks=list(ranks), backend="gloo",
-                                             use_local_synchronization=True)
+        _SAVE_GROUPS[ranks] = gloo_group_of(list(ranks))
     return _SAVE_GROUPS[ranks]
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm import gloo_group_of
+
 STOP, SAVE = 0, 1  # flag positions
 
 
@@ -36,7 +38,7 @@ class Agreement:
             group = process_group if process_group is not None else dist.group.WORLD
             ranks = dist.get_process_group_ranks(group)
             # Its own group: the all-reduce in flight never interleaves with training's or saves'.
-            self._group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            self._group = gloo_group_of(ranks)
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def poll(self, step: int) -> Agreed | None:
