@@ -11,7 +11,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OWN = ["ls", "inspect", "verify", "export", "import", "gc"]
+OWN = ["ls", "inspect", "verify", "export", "import", "gc", "convert"]
 
 # Runs bcp's main in a fresh interpreter, then reports whether torch was imported along the way.
 PROBE = """
