@@ -16,19 +16,11 @@ import torch
 from bytecheckpoint.cli import main
 from tests import dcp_workloads as w
 from tests.frameworks import fsdp2_train_save_canonical
+from tests.helpers import assert_same_state as assert_same
 from tests.helpers import same_bits
 
 EXTRA = {"step": 2, "name": "run-7", "sizes": [1, 2.5]}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def assert_same(ref: dict[str, Any], got: dict[str, Any]) -> None:
-    assert sorted(ref) == sorted(got), set(ref) ^ set(got)
-    for key, value in ref.items():
-        if isinstance(value, torch.Tensor):
-            assert same_bits(value, got[key]), f"{key} differs"
-        else:
-            assert value == got[key], f"{key}: {value!r} != {got[key]!r}"
 
 
 def bcp(*argv: str) -> int:

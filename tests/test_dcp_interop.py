@@ -17,19 +17,11 @@ import bytecheckpoint as bcp
 from bytecheckpoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from bytecheckpoint.interop.safe_pickle import UnsafePickleError
 from tests import dcp_workloads as w
+from tests.helpers import assert_same_state as assert_same
 from tests.helpers import same_bits
 
 STEPS = 2
 EXTRA = {"step": STEPS, "name": "run-7", "sizes": [1, 2.5]}
-
-
-def assert_same(ref: dict[str, Any], got: dict[str, Any]) -> None:
-    assert sorted(ref) == sorted(got), set(ref) ^ set(got)
-    for key, value in ref.items():
-        if isinstance(value, torch.Tensor):
-            assert same_bits(value, got[key]), f"{key} differs"
-        else:
-            assert value == got[key], f"{key}: {value!r} != {got[key]!r}"
 
 
 @pytest.fixture(scope="module")

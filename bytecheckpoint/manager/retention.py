@@ -139,8 +139,11 @@ class KeepNewerThan(Policy):
 
 
 @dataclass(frozen=True)
-class AnyOf(Policy):
+class _Combined(Policy):
+    """Policies joined element-wise: ``_join`` (any / all) over each checkpoint's selections."""
+
     policies: tuple[Policy, ...]
+    _join = staticmethod(any)
 
     def __post_init__(self) -> None:
         for p in self.policies:
@@ -148,20 +151,17 @@ class AnyOf(Policy):
 
     def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
         masks = [p.select(checkpoints, context=context) for p in self.policies]
-        return [any(m[i] for m in masks) for i in range(len(checkpoints))]
+        return [self._join(m[i] for m in masks) for i in range(len(checkpoints))]
 
 
-@dataclass(frozen=True)
-class AllOf(Policy):
-    policies: tuple[Policy, ...]
+class AnyOf(_Combined):
+    """Keeps what any of its policies keeps (``a | b``)."""
 
-    def __post_init__(self) -> None:
-        for p in self.policies:
-            _policy(p)
 
-    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
-        masks = [p.select(checkpoints, context=context) for p in self.policies]
-        return [all(m[i] for m in masks) for i in range(len(checkpoints))]
+class AllOf(_Combined):
+    """Keeps what every one of its policies keeps (``a & b``)."""
+
+    _join = staticmethod(all)
 
 
 def protected_reason(c: Any, abandoned: bool | None = None) -> str | None:
