@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -63,6 +64,18 @@ def _cool(hot: str, cold: str) -> None:
     assert report.cooled and not report.failed, report.failed
 
 
+def _cooled_run_copied(tmp_path: Path) -> tuple[Path, Path]:
+    """hot/run1 with steps 1-3, all but the newest cooled, and run2/step_1 a ``cp -a`` copy of
+    run1/step_1: its links point at the same cold files."""
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    cold.mkdir()
+    _run(f"{hot}/run1", range(1, 4))
+    _cool(str(hot), str(cold))
+    os.makedirs(f"{hot}/run2")
+    subprocess.run(["cp", "-a", f"{hot}/run1/step_1", f"{hot}/run2/step_1"], check=True)
+    return hot, cold
+
+
 def test_a_link_that_resolves_outside_the_cold_root_is_not_deleted(capsys, tmp_path):
     hot, cold, victim = tmp_path / "hot", tmp_path / "cold", tmp_path / "victim"
     cold.mkdir(), victim.mkdir()
@@ -79,13 +92,8 @@ def test_a_link_that_resolves_outside_the_cold_root_is_not_deleted(capsys, tmp_p
 
 
 def test_gc_keeps_cold_files_a_cp_a_copy_still_links_to(capsys, tmp_path):
-    hot, cold = tmp_path / "hot", tmp_path / "cold"
-    cold.mkdir()
-    _run(f"{hot}/run1", range(1, 4))
-    _cool(str(hot), str(cold))
+    hot, cold = _cooled_run_copied(tmp_path)
     assert {c.name: c.state for c in scan(str(hot), str(cold))}["step_1"] == "cold"
-    os.makedirs(f"{hot}/run2")
-    subprocess.run(["cp", "-a", f"{hot}/run1/step_1", f"{hot}/run2/step_1"], check=True)
     code, out, err = _gc(capsys, str(hot), "--keep-last", "1", "--cold", str(cold), "--yes")
     assert code == 0, err
     assert not os.path.exists(f"{hot}/run1/step_1") and os.path.exists(f"{hot}/run2/step_1"), out
@@ -96,12 +104,7 @@ def test_gc_keeps_cold_files_a_cp_a_copy_still_links_to(capsys, tmp_path):
 
 
 def test_tiering_retention_keeps_cold_files_a_copy_uses(tmp_path):
-    hot, cold = tmp_path / "hot", tmp_path / "cold"
-    cold.mkdir()
-    _run(f"{hot}/run1", range(1, 4))
-    _cool(str(hot), str(cold))
-    os.makedirs(f"{hot}/run2")
-    subprocess.run(["cp", "-a", f"{hot}/run1/step_1", f"{hot}/run2/step_1"], check=True)
+    hot, cold = _cooled_run_copied(tmp_path)
     config = load_config(hot=str(hot), cold=str(cold), cool_after="1d", delete_after="2d", keep_newest=1)
     report = run_once(config, now=time.time() + 3 * DAY)
     assert f"{hot}/run1/step_1" in report.deleted and not report.failed, report.failed
@@ -109,12 +112,7 @@ def test_tiering_retention_keeps_cold_files_a_copy_uses(tmp_path):
 
 
 def test_cooling_never_overwrites_a_cold_file_a_copy_links_to(tmp_path):
-    hot, cold = tmp_path / "hot", tmp_path / "cold"
-    cold.mkdir()
-    _run(f"{hot}/run1", range(1, 4))
-    _cool(str(hot), str(cold))
-    os.makedirs(f"{hot}/run2")
-    subprocess.run(["cp", "-a", f"{hot}/run1/step_1", f"{hot}/run2/step_1"], check=True)
+    hot, cold = _cooled_run_copied(tmp_path)
     # The original is removed by hand and a different checkpoint saved at its path.
     subprocess.run(["rm", "-r", f"{hot}/run1/step_1"], check=True)
     _save(f"{hot}/run1/step_1", 0, data=7)  # an older step: latest stays on step_3
