@@ -399,8 +399,7 @@ def phase_fsdp4(rank: int, world: int, port: int, cfg: GPTConfig, root: str, rep
     # bytecheckpoint: a save that plans and a repeated one with the same structure. The
     # very first save also pays one-time costs (first messages on the save group); the
     # planning figure is from a second save whose plan cache was cleared.
-    from bytecheckpoint.engine import plan_cache
-
+    from bytecheckpoint.planning import plan_cache
     Bcp(model, optim).save(f"{root}/plan/warm")
     plan_cache.clear()
     first = Bcp(model, optim).save(f"{root}/plan/first")

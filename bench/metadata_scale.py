@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from bytecheckpoint.metadata import BoxTable, CheckpointMetadata, FileMeta, TensorMeta
+from bytecheckpoint.format.metadata import BoxTable, CheckpointMetadata, FileMeta, TensorMeta
 
 
 def synthetic(n_boxes: int, boxes_per_tensor: int = 8, ranks: int = 1024) -> CheckpointMetadata:

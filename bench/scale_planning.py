@@ -3,7 +3,7 @@
     .venv/bin/python bench/scale_planning.py [--worlds 1024 4096 8960 16384] [--repeats 3]
                                              [--files-per rank|host] [--memory]
 
-Layout: TP=8, PP=16, ZeRO-1 DP over the rest (``bytecheckpoint.simulate``). For each world
+Layout: TP=8, PP=16, ZeRO-1 DP over the rest (``bytecheckpoint.planning.simulate``). For each world
 size it builds every rank's local plan (not timed: ranks do that in parallel), then runs the
 coordinator's real code ``--repeats`` times and prints the median of each stage:
 plan (dedup, balance, coverage), template + build (the metadata), encode, decode (a load's
@@ -22,8 +22,7 @@ import gc
 import statistics
 import time
 
-from bytecheckpoint.comm import tree_layout
-from bytecheckpoint.simulate import (
+from bytecheckpoint.planning.simulate import (
     LLAMA_405B,
     Layout,
     growth_exponent,
@@ -31,6 +30,7 @@ from bytecheckpoint.simulate import (
     nlogn_exponent,
     simulate,
 )
+from bytecheckpoint.runtime.comm import tree_layout
 
 STAGES = ("plan", "template", "build", "encode", "decode", "cached")
 TARGETS_AT = 8960

@@ -32,20 +32,20 @@ from .errors import (
 _LAZY = {
     "save": ".api", "load": ".api", "pipeline_fqn_map": ".api",
     "SaveHandle": ".engine.async_save", "LoadResult": ".engine.load", "SaveResult": ".engine.save",
-    "RNGState": ".extra", "verify": ".integrity", "TensorShard": ".shards",
+    "RNGState": ".state.extra", "verify": ".commit.integrity", "TensorShard": ".state.tensor_shard",
     "CheckpointManager": ".manager", "CheckpointInfo": ".manager", "KeepLast": ".manager",
     "KeepEvery": ".manager", "KeepBest": ".manager", "KeepNewerThan": ".manager",
 }
 
 if TYPE_CHECKING:
     from .api import load, pipeline_fqn_map, save
+    from .commit.integrity import verify
     from .engine.async_save import SaveHandle
     from .engine.load import LoadResult
     from .engine.save import SaveResult
-    from .extra import RNGState
-    from .integrity import verify
     from .manager import CheckpointInfo, CheckpointManager, KeepBest, KeepEvery, KeepLast, KeepNewerThan
-    from .shards import TensorShard
+    from .state.extra import RNGState
+    from .state.tensor_shard import TensorShard
 
 
 def __getattr__(name: str) -> object:
@@ -57,7 +57,7 @@ def __getattr__(name: str) -> object:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value  # later lookups skip this hook
         return value
-    try:  # `bytecheckpoint.integrity` etc. after a bare `import bytecheckpoint`, as before
+    try:  # `bytecheckpoint.storage` etc. after a bare `import bytecheckpoint`, as before
         return importlib.import_module(f".{name}", __name__)
     except ModuleNotFoundError as exc:
         if exc.name != f"{__name__}.{name}":

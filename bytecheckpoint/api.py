@@ -12,13 +12,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .checksums import DEFAULT_CHUNK_BYTES
 from .engine.async_save import SaveHandle, wait_pending
 from .engine.load import LoadResult
 from .engine.load import load as _load
 from .engine.save import SaveResult
 from .engine.save import save as _save
 from .errors import InvalidArgumentError
+from .format.checksums import DEFAULT_CHUNK_BYTES
 
 MAX_STEP = 2**63 - 1  # what the metadata and the latest pointer store
 

@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from bytecheckpoint.leases import pin, unpin
+from bytecheckpoint.commit.leases import pin, unpin
 
 from .config import ConfigError, load_config
 from .service import Report, ServiceBusy, run_loop, run_once

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from bytecheckpoint.redact import redact
+from bytecheckpoint.storage.redact import redact
 
 try:
     import tomllib

@@ -34,14 +34,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from bytecheckpoint.commit.integrity import LATEST_FILE, STAGING_TAG, read_latest
+from bytecheckpoint.commit.leases import is_being_read, is_pinned
 from bytecheckpoint.errors import CheckpointError
-from bytecheckpoint.integrity import LATEST_FILE, STAGING_TAG, read_latest
-from bytecheckpoint.leases import is_being_read, is_pinned
-from bytecheckpoint.metadata import METADATA_FILE, CheckpointMetadata
+from bytecheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
+from bytecheckpoint.manage.catalog import CheckpointInfo, check_step, check_time
 from bytecheckpoint.storage import Storage
 from telemetry import span
 
-from .catalog import CheckpointInfo, check_step, check_time
 from .mover import MoveError, MoveResult
 from .verify import chunk_checks, digest
 

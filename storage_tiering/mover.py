@@ -30,14 +30,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bytecheckpoint.leases import is_being_read, is_pinned
-from bytecheckpoint.metadata import CheckpointMetadata
-from bytecheckpoint.storage import Storage, open_storage
-from bytecheckpoint.storage.base import abort_quietly
-from bytecheckpoint.storage.local import LocalStorage, fsync_dir
-from telemetry import span
-
-from .catalog import (
+from bytecheckpoint.commit.leases import is_being_read, is_pinned
+from bytecheckpoint.format.metadata import CheckpointMetadata
+from bytecheckpoint.manage.catalog import (
     CheckpointInfo,
     cold_references,
     cold_target,
@@ -47,6 +42,11 @@ from .catalog import (
     read_meta,
     untouchable_reason,
 )
+from bytecheckpoint.storage import Storage, open_storage
+from bytecheckpoint.storage.base import abort_quietly
+from bytecheckpoint.storage.local import LocalStorage, fsync_dir
+from telemetry import span
+
 from .journal import Journal
 from .verify import chunk_checks, digest
 

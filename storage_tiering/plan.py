@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .catalog import CheckpointInfo, untouchable_reason
+from bytecheckpoint.manage.catalog import CheckpointInfo, untouchable_reason
+
 from .config import TieringConfig
 from .policies import AllOf, Context, EveryKSteps, FullyCold, NewestPerRun, Not, OlderThan, Untouchable
 

@@ -17,11 +17,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from bytecheckpoint.redact import redact
+from bytecheckpoint.manage.catalog import hot_bytes, orphans, scan
 from bytecheckpoint.storage import open_storage
+from bytecheckpoint.storage.redact import redact
 from telemetry import context, get_context, span
 
-from .catalog import hot_bytes, orphans, scan
 from .config import ConfigError, TieringConfig
 from .hdfs import HdfsCli, HdfsMover, PolicyAdmin, scan_remote
 from .journal import JOURNAL_FILE, Journal

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from bytecheckpoint.metadata import CheckpointMetadata
+from bytecheckpoint.format.metadata import CheckpointMetadata
 
 BLOCK_BYTES = 16 << 20
 

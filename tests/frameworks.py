@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import bytecheckpoint as bcp
-from bytecheckpoint.state import clean_fqn
+from bytecheckpoint.state.flatten import clean_fqn
 from demo.model import GPT, Block
 from tests.helpers import same_bits
 from tests.workloads import CFG, make_fsdp2, make_plain, train_step
@@ -132,9 +132,8 @@ def fsdp1_load(path: str, use_orig_params: bool) -> Canonical:
 def fsdp1_save_collectives(path: str, use_orig_params: bool) -> dict[str, int]:
     """Count every torch.distributed collective during an FSDP v1 save, split into those made
     by the planning/commit protocol (bytecheckpoint's Communicator) and any others."""
-    from bytecheckpoint import comm as bcomm
-    from bytecheckpoint.engine import plan_cache
-
+    from bytecheckpoint.planning import plan_cache
+    from bytecheckpoint.runtime import comm as bcomm
     plan_cache.clear()  # a first save of this structure: the full protocol
     model, optim = make_fsdp1(0, use_orig_params)
     train_step(model, optim, 0, dist.get_rank())

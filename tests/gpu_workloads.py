@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 import bytecheckpoint as bcp
-from bytecheckpoint import devices
-from bytecheckpoint.comm import Communicator, Outcome
 from bytecheckpoint.engine import load_pipeline, staging
+from bytecheckpoint.runtime import devices
+from bytecheckpoint.runtime.comm import Communicator, Outcome
 
 
 def _model_and_adam(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

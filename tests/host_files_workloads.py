@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import bytecheckpoint as bcp
-from bytecheckpoint.engine import host_files, plan_cache
+from bytecheckpoint.engine import host_files
 from bytecheckpoint.engine import save as save_engine
+from bytecheckpoint.planning import plan_cache
 from bytecheckpoint.storage import faults
 from tests import workloads as w
 from tests.helpers import env_set

@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 import bytecheckpoint as bcp
-from bytecheckpoint import comm as bcomm
-from bytecheckpoint.engine import plan_cache, staging
+from bytecheckpoint.engine import staging
+from bytecheckpoint.planning import plan_cache
+from bytecheckpoint.runtime import comm as bcomm
 from bytecheckpoint.storage import register_backend
 from bytecheckpoint.storage.local import LocalStorage
 from tests import workloads as w

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 import bytecheckpoint as bcp
-from bytecheckpoint.comm import Communicator, Outcome
-from bytecheckpoint.engine import plan_cache
 from bytecheckpoint.errors import RankFailedError
-from bytecheckpoint.metadata import METADATA_FILE, CheckpointMetadata
+from bytecheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
+from bytecheckpoint.planning import plan_cache
+from bytecheckpoint.runtime.comm import Communicator, Outcome
 from tests.helpers import env_set
 
 # 16 ranks as 4 "hosts" of 4, host leaders in pairs: a three-level tree.

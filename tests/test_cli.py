@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import bytecheckpoint as bcp
-from bytecheckpoint import cli
-from bytecheckpoint import export as bexport
-from bytecheckpoint.integrity import begin_save
-from bytecheckpoint.leases import pin, read_lease
+from bytecheckpoint.cli import app as cli
+from bytecheckpoint.commit.integrity import begin_save
+from bytecheckpoint.commit.leases import pin, read_lease
 from bytecheckpoint.storage import open_storage
+from bytecheckpoint.tools import export as bexport
 from tests.helpers import same_bits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 import bytecheckpoint as bcp
-from bytecheckpoint import cli
-from bytecheckpoint.metadata import METADATA_FILE, pack_document, unpack_document
+from bytecheckpoint.cli import app as cli
+from bytecheckpoint.format.metadata import METADATA_FILE, pack_document, unpack_document
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

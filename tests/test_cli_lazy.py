@@ -16,7 +16,7 @@ OWN = ["ls", "inspect", "verify", "export", "import", "gc", "convert"]
 # Runs bcp's main in a fresh interpreter, then reports whether torch was imported along the way.
 PROBE = """
 import sys
-from bytecheckpoint.cli import main
+from bytecheckpoint.cli.app import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as exc:  # argparse's --help and --version exit
@@ -48,9 +48,10 @@ def test_public_api_resolves_lazily() -> None:
     code = ("import bytecheckpoint as bcp, sys; assert 'torch' not in sys.modules; "
             "from bytecheckpoint import *; "
             "assert callable(save) and callable(load) and callable(verify) and TensorShard and SaveHandle; "
-            "assert bcp.save is save and bcp.integrity.verify is verify; "
+            "assert bcp.save is save and bcp.commit.integrity.verify is verify; "
             "assert set(bcp.__all__) <= set(dir(bcp)); "
-            "import bytecheckpoint.metadata as m; assert m.__version__ == bcp.__version__; print('ok')")
+            "import bytecheckpoint.format.metadata as m; "
+            "assert m.__version__ == bcp.__version__; print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import bytecheckpoint as bcp
+from bytecheckpoint.commit.leases import read_lease
 from bytecheckpoint.errors import (
     CheckpointExistsError,
     CheckpointReplacedError,
@@ -26,7 +27,6 @@ from bytecheckpoint.errors import (
     InvalidArgumentError,
     NotACheckpointError,
 )
-from bytecheckpoint.leases import read_lease
 from bytecheckpoint.storage import CommitMode, open_storage, register_backend
 from bytecheckpoint.storage.memory import MemoryStorage
 from tests.commit_worker import make_state, values_of

@@ -18,7 +18,7 @@ import time
 import pytest
 
 import bytecheckpoint as bcp
-from bytecheckpoint import cli
+from bytecheckpoint.cli import app as cli
 from tests.fuzz.cli import EXIT_CODES
 from tests.fuzz.race_worker import state, value_of
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from bytecheckpoint.cli import main
+from bytecheckpoint.cli.app import main
 from tests import dcp_workloads as w
 from tests.frameworks import fsdp2_train_save_canonical
 from tests.helpers import assert_same_state as assert_same
@@ -74,7 +74,7 @@ def test_from_torch_full_state_dict(tmp_path):
     assert bcp("--from", "torch", src, dst, "-q") == 0
     assert main(["verify", dst, "-q"]) == 0
     import bytecheckpoint as bcp_lib
-    from bytecheckpoint.state import TensorShard
+    from bytecheckpoint.state.flatten import TensorShard
 
     target = {k: TensorShard(torch.empty_like(v), tuple(v.shape)) for k, v in sd.items()}
     bcp_lib.load(dst, {"model": target}, framework="manual")
@@ -123,7 +123,7 @@ def test_hostile_dcp_metadata_runs_no_code(tmp_path, capsys, monkeypatch):
 
 def test_damaged_object_is_named_on_the_way_back(tmp_path, capsys):
     import bytecheckpoint as bcp_lib
-    from bytecheckpoint.integrity import read_metadata, resolve
+    from bytecheckpoint.commit.integrity import read_metadata, resolve
 
     src = str(tmp_path / "ck")
     bcp_lib.save(src, {"model": {"w": torch.ones(3)}, "extra": {"note": "x" * 100}})
@@ -175,7 +175,7 @@ def test_wrong_direction_and_bad_cap_are_usage_errors(dcp_dir, tmp_path, capsys)
 
 
 def test_convert_help_does_not_import_torch():
-    probe = ("import sys\nfrom bytecheckpoint.cli import main\ntry:\n    main(['convert', '--help'])\n"
+    probe = ("import sys\nfrom bytecheckpoint.cli.app import main\ntry:\n    main(['convert', '--help'])\n"
              "except SystemExit as exc:\n    print(exc.code)\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.split()[-2:] == ["0", "False"], out.stderr
@@ -183,8 +183,8 @@ def test_convert_help_does_not_import_torch():
 
 RSS_PROBE = """
 import sys
-from bytecheckpoint.cli import main
-import bytecheckpoint.interop.convert, torch.distributed.checkpoint  # the baseline includes the code
+from bytecheckpoint.cli.app import main
+import bytecheckpoint.tools.convert, torch.distributed.checkpoint  # the baseline includes the code
 
 def status(field):
     with open("/proc/self/status") as f:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import bytecheckpoint as bcp
 from bytecheckpoint.data import TokenSource, synthetic_sources
 from bytecheckpoint.data.streams import Layout, Stream, initial_states, reshard
-from bytecheckpoint.extra import capture_rng, restore_rng
+from bytecheckpoint.state.extra import capture_rng, restore_rng
 from tests import data_workloads as d
 from tests.dist import WorldPool
 

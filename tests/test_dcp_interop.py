@@ -169,8 +169,8 @@ def test_flattened_optimizer_and_bare_model_layouts(tmp_path):
 
 
 def test_verify_of_a_dcp_directory_says_why_it_cannot(tmp_path):
+    from bytecheckpoint.commit.integrity import verify
     from bytecheckpoint.errors import NotACheckpointError
-    from bytecheckpoint.integrity import verify
 
     dcp.save({"model": nn.Linear(2, 2).state_dict()}, checkpoint_id=str(tmp_path / "ckpt"))
     with pytest.raises(NotACheckpointError, match="DCP checkpoint, which stores no checksums"):

@@ -16,7 +16,7 @@ from bytecheckpoint.engine import staging
 from bytecheckpoint.engine.load_pipeline import contiguous_runs
 from bytecheckpoint.engine.read_plan import ReadUnit
 from bytecheckpoint.errors import StorageError
-from bytecheckpoint.gc_pause import gc_paused
+from bytecheckpoint.runtime.gc_pause import gc_paused
 from bytecheckpoint.storage import writeback
 from bytecheckpoint.storage.config import TransferSettings
 from bytecheckpoint.storage.config import settings as storage_settings

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.metadata import METADATA_FILE, pack_document, unpack_document
+from bytecheckpoint.format.metadata import METADATA_FILE, pack_document, unpack_document
 from tests import workloads as w
 
 

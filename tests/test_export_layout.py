@@ -1,6 +1,6 @@
 """Which tensor goes to which file in ``bcp export``: checkpoint order, numbered shards and an
 index, and the same split as ``huggingface_hub.split_torch_state_dict_into_shards`` wherever
-every tensor fits in a shard (the two differ only for larger tensors; bytecheckpoint/export.py)."""
+every tensor fits in a shard (the two differ only for larger tensors; bytecheckpoint/tools/export.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 
 import bytecheckpoint as bcp
-from bytecheckpoint.export import MODEL_INDEX, export_safetensors
+from bytecheckpoint.tools.export import MODEL_INDEX, export_safetensors
 
 # float32 element counts, in checkpoint order (parameter names sort the same way)
 SIZES = {"p00": 10, "p01": 30, "p02": 5, "p03": 20, "p04": 8, "p05": 12, "p06": 25, "p07": 3}

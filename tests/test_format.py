@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 
 import bytecheckpoint as bcp
-from bytecheckpoint import codec
+from bytecheckpoint.commit.integrity import read_metadata, resolve
 from bytecheckpoint.errors import CorruptCheckpointError, UnsupportedStateError
-from bytecheckpoint.integrity import read_metadata, resolve
-from bytecheckpoint.metadata import CheckpointMetadata
+from bytecheckpoint.format import codec
+from bytecheckpoint.format.metadata import CheckpointMetadata
 from tests import workloads as w
 from tests.helpers import assert_same_state
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bytecheckpoint.integrity import read_metadata, resolve
+from bytecheckpoint.commit.integrity import read_metadata, resolve
 from tests import frameworks as f
 from tests.helpers import same_bits
 

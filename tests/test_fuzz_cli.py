@@ -1,6 +1,6 @@
 """Fuzzing ``bcp`` argument vectors: subcommands over hostile paths and option values.
 
-Each vector runs ``bytecheckpoint.cli.main`` in the guarded worker against a fresh
+Each vector runs ``bytecheckpoint.cli.app`` in the guarded worker against a fresh
 workspace (checkpoints, a corrupt one, a FIFO where a data file should be, a directory in
 its place, a plain file, a symlink out of the root). Acceptable: a documented exit code and
 no traceback; a hang (a FIFO opened for reading) or a file deleted outside the workspace's

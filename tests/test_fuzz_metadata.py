@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bytecheckpoint.metadata import METADATA_FILE
+from bytecheckpoint.format.metadata import METADATA_FILE
 from tests.fuzz import corpus, session
 from tests.fuzz.cases import run
 from tests.fuzz.mutate import apply_bytes

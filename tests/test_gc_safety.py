@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint import cli
-from bytecheckpoint.metadata import METADATA_FILE, pack_document, unpack_document
+from bytecheckpoint.cli import app as cli
+from bytecheckpoint.format.metadata import METADATA_FILE, pack_document, unpack_document
+from bytecheckpoint.manage.catalog import scan
 from storage_tiering import load_config, run_once
-from storage_tiering.catalog import scan
 
 DAY = 86400.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,14 +18,14 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint import extra
 from bytecheckpoint.engine import save as save_mod
 from bytecheckpoint.engine import staging
 from bytecheckpoint.engine.load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
 from bytecheckpoint.engine.read_plan import ReadUnit
 from bytecheckpoint.engine.transport import use_nccl
+from bytecheckpoint.format.boxes import Box
 from bytecheckpoint.planners import LocalShard
-from bytecheckpoint.sharding import Box
+from bytecheckpoint.state import extra
 from tests import gpu_workloads as g
 
 PACKAGE = Path(bcp.__file__).parent

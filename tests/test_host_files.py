@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 import bytecheckpoint as bcp
-from bytecheckpoint.integrity import read_metadata, resolve
+from bytecheckpoint.commit.integrity import read_metadata, resolve
 from tests import host_files_workloads as hw
 from tests import save_workloads as sw
 from tests import workloads as w

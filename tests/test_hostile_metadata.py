@@ -21,12 +21,12 @@ import torch
 import xxhash
 
 import bytecheckpoint as bcp
-from bytecheckpoint import codec
+from bytecheckpoint.commit.integrity import verify
 from bytecheckpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
-from bytecheckpoint.export import export_safetensors
-from bytecheckpoint.integrity import verify
-from bytecheckpoint.metadata import METADATA_FILE, CheckpointMetadata, pack_document, unpack_document
-from bytecheckpoint.shards import TensorShard
+from bytecheckpoint.format import codec
+from bytecheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata, pack_document, unpack_document
+from bytecheckpoint.state.tensor_shard import TensorShard
+from bytecheckpoint.tools.export import export_safetensors
 from tests.helpers import env_set
 from tests.make_format_fixture import build
 
@@ -468,7 +468,7 @@ def test_untouched_copy_loads_bit_exactly(ckpt):
 # -- the overlap check stays near-linear on real layouts and bounded on hostile ones -------------
 
 def test_overlap_check_sweeps_the_dimension_a_layout_is_split_along():
-    from bytecheckpoint.sharding import overlapping_tensors
+    from bytecheckpoint.format.boxes import overlapping_tensors
 
     n = 4096  # one (1, n) row split into n column boxes: every box starts at row 0
     off = np.stack([np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64)], axis=1)
@@ -480,7 +480,7 @@ def test_overlap_check_sweeps_the_dimension_a_layout_is_split_along():
 
 
 def test_overlap_check_refuses_layouts_too_irregular_to_check_cheaply():
-    from bytecheckpoint.sharding import TooIrregularError, overlapping_tensors
+    from bytecheckpoint.format.boxes import TooIrregularError, overlapping_tensors
 
     k = 300  # tall strips in one quadrant, wide strips in the other: many candidates both ways
     tall = [((0, i), (k, 1)) for i in range(k)]

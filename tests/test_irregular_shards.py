@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import bytecheckpoint as bcp
 from bytecheckpoint.errors import UnsupportedStateError
-from bytecheckpoint.sharding import element_span, flat_range_boxes
-from bytecheckpoint.shards import ShardSet, TensorShard, flat_shard
+from bytecheckpoint.format.boxes import element_span, flat_range_boxes
+from bytecheckpoint.state.tensor_shard import ShardSet, TensorShard, flat_shard
 
 
 @st.composite

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 import bytecheckpoint as bcp
+from bytecheckpoint.commit.integrity import verify
 from bytecheckpoint.errors import CorruptCheckpointError
-from bytecheckpoint.integrity import verify
 from tests.make_format_fixture import build
 from tests.test_hostile_metadata import (
     GRID,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bytecheckpoint.commit.integrity import read_metadata, resolve
 from bytecheckpoint.engine.read_plan import Need, plan_reads, windows
-from bytecheckpoint.integrity import read_metadata, resolve
 from tests import workloads as w
 from tests.helpers import assert_same_state, payload_bytes
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
+from bytecheckpoint.commit.leases import pin
 from bytecheckpoint.errors import ConcurrentSaveError, InvalidArgumentError, NotACheckpointError
-from bytecheckpoint.leases import pin
 from bytecheckpoint.manager import Context, KeepBest, KeepEvery, KeepLast, KeepNewerThan
 
 
@@ -208,8 +208,7 @@ def test_a_step_not_after_the_last_one_is_refused(tmp_path):
 def test_bcp_ls_marks_abandoned_and_bcp_gc_neither_counts_nor_deletes_them(tmp_path, capsys):
     import json
 
-    from bytecheckpoint import cli
-
+    from bytecheckpoint.cli import app as cli
     root = str(tmp_path / "run")
     with bcp.CheckpointManager(root, save_every_steps=10) as mgr:
         for step in (10, 20, 30, 40):

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
+from bytecheckpoint.commit.integrity import read_metadata
 from bytecheckpoint.errors import CheckpointReplacedError, PermanentStorageError
-from bytecheckpoint.integrity import read_metadata
-from bytecheckpoint.metadata import METADATA_FILE
+from bytecheckpoint.format.metadata import METADATA_FILE
 from bytecheckpoint.storage import faults, open_storage, register_backend
 from bytecheckpoint.storage.s3 import S3Storage
 from tests.helpers import assert_same_state

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bytecheckpoint.errors import PlanningError
-from bytecheckpoint.planning import LocalSavePlan, WriteItem, plan_save
-from bytecheckpoint.sharding import Box, full_box
+from bytecheckpoint.format.boxes import Box, full_box
+from bytecheckpoint.planning.global_plan import LocalSavePlan, WriteItem, plan_save
 
 
 def _replicated_plans(world: int, shapes: dict[str, tuple[int, ...]]) -> list[LocalSavePlan]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.integrity import read_metadata, resolve
+from bytecheckpoint.commit.integrity import read_metadata, resolve
 from tests import workloads as w
 from tests.helpers import assert_same_state, same_bits
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.integrity import read_metadata, resolve
+from bytecheckpoint.commit.integrity import read_metadata, resolve
 from tests import save_workloads as sw
 from tests.helpers import assert_changed_structure_loads, same_bits
 

@@ -9,12 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from bytecheckpoint.comm import tree_layout, tree_settings
 from bytecheckpoint.errors import PlanningError
-from bytecheckpoint.metadata import CheckpointMetadata
-from bytecheckpoint.planning import LocalSavePlan, WriteItem, plan_save
-from bytecheckpoint.sharding import Box, coverage_problem, flat_range_boxes, untiled_tensors
-from bytecheckpoint.simulate import (
+from bytecheckpoint.format.boxes import Box, coverage_problem, flat_range_boxes, untiled_tensors
+from bytecheckpoint.format.metadata import CheckpointMetadata
+from bytecheckpoint.planning.global_plan import LocalSavePlan, WriteItem, plan_save
+from bytecheckpoint.planning.simulate import (
     Layout,
     ModelSpec,
     count_fs_ops,
@@ -23,6 +22,7 @@ from bytecheckpoint.simulate import (
     nlogn_exponent,
     simulate,
 )
+from bytecheckpoint.runtime.comm import tree_layout, tree_settings
 from tests.dist import WorldPool
 
 TINY = ModelSpec(layers=5, hidden=32, ffn=48, vocab=40, kv_heads=2, head_dim=8)
@@ -141,8 +141,8 @@ def test_simulator_reports_stages_files_and_a_loadable_metadata():
 
 
 def test_host_files_metadata_decodes_and_validates():
-    from bytecheckpoint.engine.save_metadata import build_metadata, metadata_template
-    from bytecheckpoint.simulate import synthetic_writes
+    from bytecheckpoint.planning.save_metadata import build_metadata, metadata_template
+    from bytecheckpoint.planning.simulate import synthetic_writes
 
     layout = Layout(tp=2, pp=2, dp=3, ranks_per_host=4)
     plan = plan_save(local_plans(TINY, layout))

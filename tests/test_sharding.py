@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bytecheckpoint.sharding import Box, coverage_problem, element_span, full_box, split_rows
+from bytecheckpoint.format.boxes import Box, coverage_problem, element_span, full_box, split_rows
 
 
 @st.composite

@@ -6,7 +6,7 @@ import os
 import re
 
 import telemetry
-from bytecheckpoint.integrity import resolve
+from bytecheckpoint.commit.integrity import resolve
 from telemetry.sinks import read_spool
 from tests import storage_workloads as sw
 from tests import workloads as w

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import bytecheckpoint as bcp
-from bytecheckpoint.integrity import read_latest, resolve
+from bytecheckpoint.commit.integrity import read_latest, resolve
 from bytecheckpoint.storage import open_storage
 from tests import storage_workloads as sw
 from tests import workloads as w

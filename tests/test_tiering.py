@@ -20,12 +20,12 @@ import torch
 
 import bytecheckpoint as bcp
 import telemetry
-from bytecheckpoint.leases import is_being_read, lease_prefix, pin, read_lease
+from bytecheckpoint.commit.leases import is_being_read, lease_prefix, pin, read_lease
+from bytecheckpoint.manage.catalog import hot_bytes, scan
 from bytecheckpoint.storage import faults
 from bytecheckpoint.storage.local import LocalStorage
 from storage_tiering import ConfigError, load_config, run_once
 from storage_tiering.__main__ import main as cli
-from storage_tiering.catalog import hot_bytes, scan
 from storage_tiering.journal import JOURNAL_FILE, Journal
 from storage_tiering.mover import recover
 from storage_tiering.service import LOCK_FILE

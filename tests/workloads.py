@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bytecheckpoint as bcp
-from bytecheckpoint.state import clean_fqn
+from bytecheckpoint.state.flatten import clean_fqn
 from demo.model import GPT, GPTConfig, batch, loss_fn
 
 # context=30 puts FSDP v1 rank boundaries in the middle of rows (ragged flat shards)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..devices import on_device
+from ..runtime.devices import on_device
 
 
 class SaveHandle:

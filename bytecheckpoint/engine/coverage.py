@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..errors import CorruptCheckpointError
-from ..metadata import CheckpointMetadata
+from ..format.boxes import Box, find_overlap
+from ..format.metadata import CheckpointMetadata
 from ..planners import LocalShard
-from ..sharding import Box, find_overlap
 from .load_pipeline import BoxRead
 
 

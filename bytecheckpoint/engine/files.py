@@ -12,7 +12,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from ..checksums import chunk_checksums
+from ..format.checksums import chunk_checksums
 from ..storage import Storage
 from ..storage.base import abort_quietly
 

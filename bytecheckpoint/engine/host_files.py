@@ -31,14 +31,14 @@ import torch
 
 from telemetry import span
 
-from ..comm import Communicator, Outcome, host_size_setting
-from ..commit import data_file_name
+from ..commit.protocol import data_file_name
 from ..errors import RankFailedError
-from ..metadata import ByteMeta, FileMeta, ObjectMeta
-from ..sharding import Box
+from ..format.boxes import Box
+from ..format.metadata import ByteMeta, FileMeta, ObjectMeta
+from ..planning.save_metadata import RankWrite, box_columns
+from ..runtime.comm import Communicator, Outcome, host_size_setting
 from ..storage import Storage
 from .files import Piece, transfer_block
-from .save_metadata import RankWrite, box_columns
 from .writer import KIND_ORDER, Entry, pieces_by_kind, record, write_kind_file
 
 FILES_PER_ENV = "BCP_FILES_PER"

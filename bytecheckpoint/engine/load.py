@@ -25,11 +25,8 @@ import torch
 
 from telemetry import span
 
-from .. import codec
-from ..checksums import widen_to_chunks
-from ..comm import Communicator, Outcome, raise_failures
-from ..devices import exchange_device
-from ..dtypes import dtype_from_name, dtype_name
+from ..commit.integrity import check_file_sizes, metadata_identity, read_metadata_identified, resolve
+from ..commit.leases import lease_for_load
 from ..errors import (
     CheckpointReplacedError,
     CorruptCheckpointError,
@@ -39,13 +36,16 @@ from ..errors import (
     ShapeMismatchError,
     StateMismatchError,
 )
-from ..gc_pause import gc_paused
-from ..integrity import check_file_sizes, metadata_identity, read_metadata_identified, resolve
-from ..leases import lease_for_load
-from ..metadata import CheckpointMetadata, SavedBox
+from ..format import codec
+from ..format.boxes import element_span
+from ..format.checksums import widen_to_chunks
+from ..format.dtypes import dtype_from_name, dtype_name
+from ..format.metadata import CheckpointMetadata, SavedBox
 from ..planners import get_planner
-from ..sharding import element_span
-from ..state import FlatState, flatten_state
+from ..runtime.comm import Communicator, Outcome, raise_failures
+from ..runtime.devices import exchange_device
+from ..runtime.gc_pause import gc_paused
+from ..state.flatten import FlatState, flatten_state
 from ..storage import Storage
 from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects
 from .load_pipeline import BoxRead, Copy, LoadPipeline, direct_target

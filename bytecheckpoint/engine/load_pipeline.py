@@ -30,11 +30,11 @@ import torch.distributed as dist
 
 from telemetry import span
 
-from ..checksums import bad_chunks
-from ..devices import on_device
 from ..errors import CorruptCheckpointError, RankFailedError
+from ..format.boxes import Box, element_span, row_major_strides
+from ..format.checksums import bad_chunks
 from ..planners import LocalShard
-from ..sharding import Box, element_span, row_major_strides
+from ..runtime.devices import on_device
 from ..storage import Storage
 from .read_plan import ReadUnit, windows
 from .staging import pool

@@ -35,15 +35,9 @@ import xxhash
 
 from telemetry import set_context, span
 
-from .. import codec, errors, save_lock
-from ..checksums import DEFAULT_CHUNK_BYTES
-from ..comm import Communicator, Outcome, summarize_failures
-from ..commit import data_file_tag, prepare_target
-from ..devices import on_device
-from ..dtypes import dtype_name
-from ..errors import CheckpointExistsError, PlanningError, RankFailedError, StagingError, StorageError
-from ..gc_pause import gc_paused
-from ..integrity import (
+from .. import errors
+from ..commit import save_lock
+from ..commit.integrity import (
     abandon,
     begin_save,
     commit,
@@ -51,17 +45,26 @@ from ..integrity import (
     staging_path,
     update_latest,
 )
-from ..metadata import METADATA_FILE
+from ..commit.protocol import data_file_tag, prepare_target
+from ..errors import CheckpointExistsError, PlanningError, RankFailedError, StagingError, StorageError
+from ..format import codec
+from ..format.boxes import Box
+from ..format.checksums import DEFAULT_CHUNK_BYTES
+from ..format.dtypes import dtype_name
+from ..format.metadata import METADATA_FILE
 from ..planners import LocalShard, get_planner
-from ..planning import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
-from ..sharding import Box
-from ..state import FlatState, flatten_state
+from ..planning import plan_cache
+from ..planning.global_plan import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
+from ..planning.plan_cache import CacheEntry, boxes_digest, structure_key
+from ..planning.save_metadata import RankWrite, build_metadata, metadata_template
+from ..runtime.comm import Communicator, Outcome, summarize_failures
+from ..runtime.devices import on_device
+from ..runtime.gc_pause import gc_paused
+from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
-from . import host_files, plan_cache
+from . import host_files
 from .async_save import SaveHandle, set_pending, wait_pending
 from .host_files import HostLayout
-from .plan_cache import CacheEntry, boxes_digest, structure_key
-from .save_metadata import RankWrite, build_metadata, metadata_template
 from .staging import Stager
 from .writer import Entry, rank_entries, tensor_bytes, write_rank
 

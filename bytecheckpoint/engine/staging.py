@@ -23,8 +23,8 @@ import torch
 
 from telemetry import span
 
-from ..devices import caller_device, cuda_devices, on_device
 from ..errors import StagingError
+from ..runtime.devices import caller_device, cuda_devices, on_device
 
 _ALIGN = 64  # every piece starts on a cache line, so any dtype view is aligned
 

@@ -15,15 +15,15 @@ import torch
 
 from telemetry import span
 
-from ..commit import data_file_name
-from ..dtypes import safetensors_code
-from ..metadata import ByteMeta, FileMeta, ObjectMeta
-from ..planning import WriteItem
-from ..sharding import Box
-from ..state import KIND_EXTRA, FlatState
+from ..commit.protocol import data_file_name
+from ..format.boxes import Box
+from ..format.dtypes import safetensors_code
+from ..format.metadata import ByteMeta, FileMeta, ObjectMeta
+from ..planning.global_plan import WriteItem
+from ..planning.save_metadata import RankWrite, box_columns
+from ..state.flatten import KIND_EXTRA, FlatState
 from ..storage import Storage
 from .files import Piece, WrittenPiece, write_file
-from .save_metadata import RankWrite, box_columns
 
 KIND_ORDER = ("model", "optim", "extra")
 

@@ -33,10 +33,18 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .. import codec
-from ..checksums import chunk_checksums
 from ..errors import CheckpointError, CorruptCheckpointError, PermanentStorageError
-from ..metadata import METADATA_FILE, BoxTable, ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta, TensorMeta
+from ..format import codec
+from ..format.checksums import chunk_checksums
+from ..format.metadata import (
+    METADATA_FILE,
+    BoxTable,
+    ByteMeta,
+    CheckpointMetadata,
+    FileMeta,
+    ObjectMeta,
+    TensorMeta,
+)
 from ..storage import Storage, Writer
 from ..storage.wrapper import StorageWrapper
 from .dcp_metadata import DCP_METADATA_FILE, DcpMetadata, DcpTensor, parse_dcp_metadata
@@ -80,7 +88,7 @@ class DcpStorage(StorageWrapper):
         self._refresh()
 
     def _refresh(self) -> None:
-        from ..integrity import read_metadata_bytes  # integrity imports this module lazily
+        from ..commit.integrity import read_metadata_bytes  # integrity imports this module lazily
 
         raw = read_metadata_bytes(self.inner, posixpath.join(self.root, DCP_METADATA_FILE))
         digest = xxhash.xxh3_128_digest(raw)

@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dtypes import DTYPE_NAMES
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..metadata_checks import MAX_BYTES, MAX_NDIM
+from ..format.checks import MAX_BYTES, MAX_NDIM
+from ..format.dtypes import DTYPE_NAMES
 from .safe_pickle import Record, record_class, safe_loads
 
 DCP_METADATA_FILE = ".metadata"

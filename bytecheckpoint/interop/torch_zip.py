@@ -18,8 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import DTYPE_NAMES
 from ..errors import CorruptCheckpointError
+from ..format.dtypes import DTYPE_NAMES
 from ..storage import Storage
 from .safe_pickle import is_plain, plain_globals, safe_loads
 
@@ -240,5 +240,5 @@ def read_plain_value(storage: Storage, path: str, start: int, length: int, *, so
 
 
 def _itemsize(dtype: str) -> int:
-    from ..dtypes import itemsize
+    from ..format.dtypes import itemsize
     return itemsize(dtype)

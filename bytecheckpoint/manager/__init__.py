@@ -6,9 +6,9 @@ them); ``CheckpointManager`` loads on first use.
 
 from typing import TYPE_CHECKING
 
-from .records import CheckpointInfo
-from .retention import AllOf, AnyOf, Context, KeepBest, KeepEvery, KeepLast, KeepNewerThan, Policy
-from .timeline import Timeline
+from ..commit.timeline import Timeline
+from ..manage.records import CheckpointInfo
+from ..manage.retention import AllOf, AnyOf, Context, KeepBest, KeepEvery, KeepLast, KeepNewerThan, Policy
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import gloo_group_of
+from ..runtime.comm import gloo_group_of
 
 STOP, SAVE = 0, 1  # flag positions
 

@@ -28,24 +28,24 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .. import save_lock
 from ..api import check_step, load
 from ..api import save as _save
-from ..comm import Communicator, Outcome
+from ..commit import save_lock
+from ..commit.leases import is_being_read, is_pinned
+from ..commit.timeline import MANAGER_KEY, Timeline
 from ..errors import (
     CheckpointError,
     ConcurrentSaveError,
     InvalidArgumentError,
     NotACheckpointError,
 )
-from ..leases import is_being_read, is_pinned
-from ..metadata import METADATA_FILE
+from ..format.metadata import METADATA_FILE
+from ..manage.records import CheckpointInfo, RootListing
+from ..manage.retention import Context, Policy, plan_deletions
+from ..runtime.comm import Communicator, Outcome
 from ..storage import open_storage
 from .agreement import SAVE, STOP, Agreed, Agreement
-from .records import CheckpointInfo, RootListing
-from .retention import Context, Policy, plan_deletions
 from .schedule import Schedule
-from .timeline import MANAGER_KEY, Timeline
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from .manual import ManualPlanner
 from .single import SingleProcessPlanner
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from ..state import FlatState
+    from ..runtime.comm import Communicator
+    from ..state.flatten import FlatState
 
 __all__ = ["LocalShard", "Planner", "get_planner", "register_planner", "planner_names"]
 

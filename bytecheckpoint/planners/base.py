@@ -5,7 +5,7 @@ Call order, on every rank, for a save:
   2. ``pieces(key, value)``          for each tensor: the boxes this rank holds, with views
   3. ``layout(flat, comm)``          a description of the parallel layout for the metadata
 For a load, 1 and 2 run on the *target* state; the returned views are the destinations the
-engine copies into. Hand-described shards (:class:`~bytecheckpoint.shards.TensorShard`: FSDP
+engine copies into. Hand-described shards (:class:`~bytecheckpoint.state.tensor_shard.TensorShard`: FSDP
 flat parameters, Megatron-style layouts) are understood by every planner; a planner only
 says how its framework's own tensors map to boxes (``local_shards``).
 Planners hold no state between calls; the engine, global planning and
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..sharding import Box, full_box
-from ..shards import ShardSet, TensorShard
+from ..format.boxes import Box, full_box
+from ..state.tensor_shard import ShardSet, TensorShard
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from ..state import FlatState
+    from ..runtime.comm import Communicator
+    from ..state.flatten import FlatState
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ..errors import UnsupportedStateError
-from ..shards import TensorShard, flat_shard
-from ..state import FqnMap, ModuleAdapter, StateView, clean_fqn, register_module_adapter
+from ..state.flatten import FqnMap, ModuleAdapter, StateView, clean_fqn, register_module_adapter
+from ..state.tensor_shard import TensorShard, flat_shard
 from .ddp import DDPPlanner
 
 

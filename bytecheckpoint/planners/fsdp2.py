@@ -16,12 +16,12 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import UnsupportedStateError
-from ..sharding import Box
+from ..format.boxes import Box
 from .base import LocalShard, Planner, replicated_full
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from ..state import FlatState
+    from ..runtime.comm import Communicator
+    from ..state.flatten import FlatState
 
 
 @functools.lru_cache(maxsize=1 << 16)

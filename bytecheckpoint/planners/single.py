@@ -11,8 +11,8 @@ from ..errors import UnsupportedStateError
 from .base import LocalShard, Planner, replicated_full
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from ..state import FlatState
+    from ..runtime.comm import Communicator
+    from ..state.flatten import FlatState
 
 
 class SingleProcessPlanner(Planner):

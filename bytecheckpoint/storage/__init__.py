@@ -14,12 +14,12 @@ import importlib
 from collections.abc import Callable
 
 from ..errors import InvalidStorageURLError, StorageError
-from ..redact import redact
 from . import faults
 from .base import CommitMode, Storage, Writer
 from .config import settings
 from .faults import FaultyStorage
 from .managed import ManagedStorage
+from .redact import redact
 
 __all__ = ["CommitMode", "Storage", "Writer", "open_backend", "open_storage", "register_backend", "split_url"]
 

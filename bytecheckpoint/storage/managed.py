@@ -25,10 +25,10 @@ from typing import TypeVar
 from telemetry import span
 
 from ..errors import StorageError, StorageIOError, TransientStorageError
-from ..redact import redact
 from . import retry
 from .base import Storage, Writer
 from .config import RetrySettings
+from .redact import redact
 from .wrapper import StorageWrapper
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..catalog import CheckpointInfo
+from bytecheckpoint.manage.catalog import CheckpointInfo
 
 
 @dataclass(frozen=True, kw_only=True)

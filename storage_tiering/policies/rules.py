@@ -6,7 +6,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..catalog import CheckpointInfo, untouchable_reason
+from bytecheckpoint.manage.catalog import CheckpointInfo, untouchable_reason
+
 from .base import Context
 
 

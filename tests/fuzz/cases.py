@@ -14,7 +14,7 @@ from typing import Any
 
 import xxhash
 
-from bytecheckpoint.metadata import METADATA_FILE
+from bytecheckpoint.format.metadata import METADATA_FILE
 from tests.fuzz import checkpoint as ck
 from tests.fuzz import cli, mutate, objects, seal, spool
 from tests.fuzz.outcomes import OK, Result

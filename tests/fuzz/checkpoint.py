@@ -25,8 +25,8 @@ import torch
 import xxhash
 
 import bytecheckpoint as bcp
-from bytecheckpoint import codec
-from bytecheckpoint.metadata import METADATA_FILE
+from bytecheckpoint.format import codec
+from bytecheckpoint.format.metadata import METADATA_FILE
 from tests.fuzz import seal
 from tests.fuzz.outcomes import NAMED, OK, RAW, WRONG, Result, classify
 

@@ -1,6 +1,6 @@
 """``bcp`` argument vectors: subcommands, hostile paths and option values.
 
-A case runs ``bytecheckpoint.cli.main(argv)`` in the worker process with stdout and stderr
+A case runs ``bytecheckpoint.cli.app(argv)`` in the worker process with stdout and stderr
 captured. Acceptable: a documented exit code and no traceback on stderr. A file outside the
 workspace that goes missing (``gc`` or ``export`` deleting what it was not given) is wrong
 data; a case that does not return (a FIFO read) is a hang, caught by the guard's time limit.
@@ -105,8 +105,7 @@ def random_argv(rng: random.Random, paths: tuple[str, ...]) -> list[str]:
 
 
 def cli_case(argv: list[str], workspace: Workspace) -> Result:
-    from bytecheckpoint import cli
-
+    from bytecheckpoint.cli import app as cli
     out, err = io.StringIO(), io.StringIO()
     os.chdir(os.path.join(workspace.base, "ws"))  # relative paths ("." "-") stay in the workspace
     try:

@@ -1,4 +1,4 @@
-"""Object blobs: the msgpack extra-state values of ``bytecheckpoint.codec``.
+"""Object blobs: the msgpack extra-state values of ``bytecheckpoint.format.codec``.
 
 Three kinds of case: a random supported value must round-trip bit for bit; a mutated
 encoding and a hand-built hostile encoding (deep nesting, huge declared sizes, bad dtype
@@ -16,11 +16,11 @@ import msgpack
 import numpy as np
 import torch
 
-from bytecheckpoint import codec
+from bytecheckpoint.format import codec
 from tests.fuzz.mutate import apply_bytes, random_byte_ops
 from tests.fuzz.outcomes import OK, WRONG, Result, classify
 
-# Extension codes of bytecheckpoint.codec (the format, so the fuzzer names them itself).
+# Extension codes of bytecheckpoint.format.codec (the format, so the fuzzer names them itself).
 EXT_TUPLE, EXT_TENSOR, EXT_NDARRAY, EXT_INTKEY_DICT, EXT_BIGINT, EXT_DTYPE = 1, 2, 3, 4, 5, 6
 _TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8,
                  torch.bool, torch.float64)

@@ -63,8 +63,7 @@ def main(argv: list[str]) -> int:
             except Exception as exc:  # noqa: BLE001
                 _report(**_failure(exc))
         elif what == "gc":
-            from bytecheckpoint import cli
-
+            from bytecheckpoint.cli import app as cli
             _report(ok=True, code=cli.main(["gc", argv[1], "--keep-last", "2", "--yes", "-q"]))
         elif what == "tier":
             from storage_tiering import load_config, run_once

@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgpack
 import xxhash
 
-from bytecheckpoint import metadata as _meta
+from bytecheckpoint.format import metadata as _meta
 
 
 def body_of(data: bytes) -> bytes:

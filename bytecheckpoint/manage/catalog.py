@@ -19,10 +19,10 @@ import stat
 from collections import defaultdict
 from dataclasses import dataclass
 
+from bytecheckpoint.commit.integrity import LATEST_FILE, STAGING_TAG, read_latest
+from bytecheckpoint.commit.leases import is_being_read, is_pinned
 from bytecheckpoint.errors import CheckpointError
-from bytecheckpoint.integrity import LATEST_FILE, STAGING_TAG, read_latest
-from bytecheckpoint.leases import is_being_read, is_pinned
-from bytecheckpoint.metadata import METADATA_FILE, CheckpointMetadata
+from bytecheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
 from bytecheckpoint.storage.local import LocalStorage
 
 _STORAGE = LocalStorage(fsync=False)  # only for listing leases and pins

@@ -12,13 +12,13 @@ import os
 import posixpath
 from dataclasses import dataclass, field
 
-from ..commit import LATEST_FILE, read_latest
+from ..commit.leases import LEASED_SCHEMES, is_being_read, is_pinned
+from ..commit.protocol import LATEST_FILE, read_latest
+from ..commit.save_lock import STAGING_TAG, local_os_path
+from ..commit.timeline import UNNAMED, Timeline, metrics_of, timeline_of
 from ..errors import CheckpointError
-from ..leases import LEASED_SCHEMES, is_being_read, is_pinned
-from ..metadata import METADATA_FILE, CheckpointMetadata
-from ..save_lock import STAGING_TAG, local_os_path
+from ..format.metadata import METADATA_FILE, CheckpointMetadata
 from ..storage import Storage
-from .timeline import UNNAMED, Timeline, metrics_of, timeline_of
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..gc_pause import gc_paused
-from ..metadata import BoxTable, ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta, TensorMeta
-from ..planning import GlobalSavePlan
-from ..sharding import Box
+from ..format.boxes import Box
+from ..format.metadata import BoxTable, ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta, TensorMeta
+from ..runtime.gc_pause import gc_paused
+from .global_plan import GlobalSavePlan
 
 
 @dataclass(frozen=True)

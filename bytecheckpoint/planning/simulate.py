@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from .checksums import DEFAULT_CHUNK_BYTES
-from .metadata import ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta
-from .planning import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
-from .sharding import Box, flat_range_boxes
+from ..format.boxes import Box, flat_range_boxes
+from ..format.checksums import DEFAULT_CHUNK_BYTES
+from ..format.metadata import ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta
+from .global_plan import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def synthetic_writes(plan: GlobalSavePlan, layout: Layout, *, files_per: str = "
     """What each rank's write would report: byte offsets in plan order and one placeholder
     checksum per chunk, in the engine's ``RankWrite`` form. ``files_per="host"``: the ranks of
     a host append to one file per kind (rank order), so offsets continue across ranks."""
-    from .engine.save_metadata import RankWrite, box_columns
+    from .save_metadata import RankWrite, box_columns
 
     header = 4096  # a safetensors header, roughly
     cursor: dict[tuple[int, str], int] = {}
@@ -296,7 +296,7 @@ def simulate(spec: ModelSpec, layout: Layout, *, files_per: str = "rank", memory
     ``encode``, ``decode`` (a load's first step), ``cached`` (what a plan-cache hit costs the
     coordinator: the shared-object check and the metadata from the cached template).
     ``memory=True`` also records each stage's peak allocation (tracemalloc; slower)."""
-    from .engine.save_metadata import build_metadata, metadata_template
+    from .save_metadata import build_metadata, metadata_template
 
     if plans is None:
         plans = local_plans(spec, layout)

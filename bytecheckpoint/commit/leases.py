@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .storage import Storage, open_backend
+from ..storage import Storage, open_backend
 
 LEASE_TAG = ".lease-"
 PIN_SUFFIX = ".pin"
@@ -152,8 +152,8 @@ def lease_for_load(url: str) -> Iterator[str | None]:
     """The lease ``bcp.load`` holds: on a local checkpoint, or the one ``latest`` names.
 
     Looked up on the bare backend, so it adds no I/O events and meets no injected faults."""
+    from ..format.metadata import METADATA_FILE
     from .integrity import read_latest  # integrity imports storage; keep this module light
-    from .metadata import METADATA_FILE
 
     storage, path = open_backend(url)
     if storage.scheme not in LEASED_SCHEMES:

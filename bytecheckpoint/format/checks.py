@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .errors import CorruptCheckpointError
-from .sharding import TooIrregularError, overlapping_tensors
+from ..errors import CorruptCheckpointError
+from .boxes import TooIrregularError, overlapping_tensors
 
 MAX_BYTES = 1 << 60  # one tensor, one file, or all files together: far beyond any real checkpoint
 MAX_NDIM = 64

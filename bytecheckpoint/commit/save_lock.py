@@ -31,10 +31,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import ConcurrentSaveError
-from .storage import CommitMode, Storage
-from .storage.local import LocalStorage
-from .storage.wrapper import StorageWrapper
+from ..errors import ConcurrentSaveError
+from ..storage import CommitMode, Storage
+from ..storage.local import LocalStorage
+from ..storage.wrapper import StorageWrapper
 
 STAGING_TAG = ".staging-"
 OWNER_SUFFIX = ".owner"

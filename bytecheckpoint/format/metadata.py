@@ -19,13 +19,13 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import __version__
+from .._version import __version__
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..runtime.gc_pause import gc_paused
+from .boxes import Box
+from .checks import DAMAGED, MAX_BYTES, check_boxes, check_files, fail, tensor_numel
 from .checksums import CHECKSUM_ALGORITHM, chunk_count
 from .dtypes import DTYPE_NAMES, itemsize
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
-from .gc_pause import gc_paused
-from .metadata_checks import DAMAGED, MAX_BYTES, check_boxes, check_files, fail, tensor_numel
-from .sharding import Box
 
 FORMAT_NAME = "bytecheckpoint"
 # 1: the msgpack document alone. 2: the document behind MAGIC and its xxh3-128 digest.

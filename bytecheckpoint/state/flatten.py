@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import codec
-from .errors import StateMismatchError, UnsupportedStateError
-from .shards import (
+from ..errors import StateMismatchError, UnsupportedStateError
+from ..format import codec
+from .tensor_shard import (
     ShardSet,
     TensorShard,
     add_shard,

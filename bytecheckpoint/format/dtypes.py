@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CorruptCheckpointError, UnsupportedStateError
+from ..errors import CorruptCheckpointError, UnsupportedStateError
 
 # name in our metadata -> (torch dtype, safetensors dtype code)
 _DTYPES: dict[str, tuple[torch.dtype, str]] = {

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError, CheckpointReplacedError, RankFailedError
+from ..errors import CheckpointError, CheckpointReplacedError, RankFailedError
 
 T = TypeVar("T")
 _GLOO_GROUPS: dict[Any, Any] = {}

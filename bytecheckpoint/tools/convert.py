@@ -28,9 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import codec, save_lock
-from ..checksums import DEFAULT_CHUNK_BYTES, chunk_checksums
-from ..commit import abandon, begin_save, commit, data_file_name, update_latest
+from ..commit import save_lock
+from ..commit.protocol import abandon, begin_save, commit, data_file_name, update_latest
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -38,9 +37,19 @@ from ..errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
-from ..export import ExportError
-from ..metadata import METADATA_FILE, BoxTable, ByteMeta, CheckpointMetadata, FileMeta, ObjectMeta, TensorMeta
+from ..format import codec
+from ..format.checksums import DEFAULT_CHUNK_BYTES, chunk_checksums
+from ..format.metadata import (
+    METADATA_FILE,
+    BoxTable,
+    ByteMeta,
+    CheckpointMetadata,
+    FileMeta,
+    ObjectMeta,
+    TensorMeta,
+)
 from ..storage import Storage, open_storage, split_url
+from .export import ExportError
 
 Progress = Callable[[int], None]
 Reader = Callable[[int, int], memoryview]  # (offset inside the entry, length) -> bytes
@@ -116,8 +125,8 @@ def write_checkpoint(dst: str, tensors: list[TensorMeta], boxes: list[_Box], obj
 
     ``boxes`` must be sorted by tensor index (the metadata's order). ``world_size`` is the
     saving world the metadata records: per-rank objects exist for each of its ranks."""
-    from ..dtypes import safetensors_code
     from ..engine.files import Piece, write_file
+    from ..format.dtypes import safetensors_code
 
     chunk, block = _block(max_memory)
     storage, path = open_storage(dst)
@@ -204,8 +213,8 @@ def _metadata(tensors: list[TensorMeta], boxes: list[_Box], objects: list[_Objec
 def from_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
              progress: Progress | None = None) -> ConvertResult:
     """Convert the DCP directory ``src`` into a bytecheckpoint checkpoint at ``dst``, streaming."""
-    from ..integrity import read_metadata, resolve
-    from .dcp_load import DcpStorage
+    from ..commit.integrity import read_metadata, resolve
+    from ..interop.dcp_load import DcpStorage
 
     _check_apart(src, dst)
     storage, path = resolve(src)
@@ -272,8 +281,8 @@ def from_torch(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     ``skipped``."""
     import torch
 
-    from ..dtypes import dtype_name
     from ..engine.writer import tensor_bytes
+    from ..format.dtypes import dtype_name
 
     _check_apart(src, dst)
     state = _load_torch(src)
@@ -394,8 +403,8 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ..export import _load_full
-    from ..integrity import read_metadata, resolve
+    from ..commit.integrity import read_metadata, resolve
+    from .export import _load_full
 
     _block(max_memory)
     _check_apart(src, dst)

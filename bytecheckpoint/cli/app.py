@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import (
+from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -35,7 +35,7 @@ from .errors import (
     NotACheckpointError,
     StorageError,
 )
-from .redact import redact
+from ..storage.redact import redact
 
 # Exit codes (also in docs/cli.md): scripts may rely on them.
 EXIT_OK = 0
@@ -154,7 +154,7 @@ def _is_one_checkpoint(root: str) -> bool:
 
 
 def _catalog(root: str, cold: str | None) -> list[Any]:
-    from storage_tiering.catalog import describe, scan
+    from bytecheckpoint.manage.catalog import describe, scan
 
     hot = _hot_root(root)
     cold_root = os.path.abspath(cold) if cold else None
@@ -179,7 +179,7 @@ def _layout_text(meta: Any) -> str:
 
 
 def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
-    from storage_tiering.catalog import read_meta
+    from bytecheckpoint.manage.catalog import read_meta
 
     rows = []
     for c in sorted(checkpoints, key=_step_key):
@@ -208,7 +208,7 @@ def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
 
 def _abandoned(items: list[tuple[str, Any, Any, bool, float]]) -> list[bool]:
     """Checkpoints a rollback left off their run's live timeline (see docs/guide/manager.md)."""
-    from bytecheckpoint.manager.timeline import abandoned_flags
+    from bytecheckpoint.commit.timeline import abandoned_flags
 
     return abandoned_flags(items)
 
@@ -243,7 +243,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class GcDecision:
-    checkpoint: Any  # storage_tiering.catalog.CheckpointInfo
+    checkpoint: Any  # bytecheckpoint.manage.catalog.CheckpointInfo
     delete: bool
     reason: str
 
@@ -255,11 +255,11 @@ def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> l
     by ``latest``, abandoned by a rollback, or impossible to classify: an odd step, unreadable
     metadata or ``latest``). The newest committed checkpoint of each run is always kept,
     whatever ``keep_last`` says. The policies and the protection rule are the manager's
-    (:mod:`bytecheckpoint.manager.retention`)."""
+    (:mod:`bytecheckpoint.manage.retention`)."""
     from collections import defaultdict
 
-    from bytecheckpoint.manager.retention import Context, KeepEvery, KeepLast, protected_reason
-    from storage_tiering.catalog import read_meta
+    from bytecheckpoint.manage.catalog import read_meta
+    from bytecheckpoint.manage.retention import Context, KeepEvery, KeepLast, protected_reason
 
     def meta_of(c: Any) -> Any:
         try:
@@ -361,7 +361,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def _inspect_doc(url: str) -> dict[str, Any]:
     import numpy as np
 
-    from .integrity import read_metadata
+    from ..commit.integrity import read_metadata
 
     storage, path = _resolve(url)
     meta = read_metadata(storage, path)
@@ -443,8 +443,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _resolve(url: str) -> tuple[Any, str]:
     """The checkpoint at ``url``; a local path that is a file (or a device) is no checkpoint."""
-    from .integrity import resolve
-    from .storage import split_url
+    from ..commit.integrity import resolve
+    from ..storage import split_url
 
     scheme, local = split_url(url)
     if scheme == "file" and os.path.lexists(local) and not os.path.isdir(local):
@@ -454,7 +454,7 @@ def _resolve(url: str) -> tuple[Any, str]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .integrity import read_metadata, verify_files
+    from ..commit.integrity import read_metadata, verify_files
 
     storage, path = _resolve(args.path)
     total = sum(f.size for f in read_metadata(storage, path).files)
@@ -478,7 +478,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # -- export / import -------------------------------------------------------------------------------
 
 def _names(args: argparse.Namespace) -> Any:
-    from .export import NameMap
+    from ..tools.export import NameMap
 
     return NameMap.parse(args.strip_prefix or (), args.rename or ())
 
@@ -496,12 +496,12 @@ def _check_export_target(url: str, out: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import parse_dtype, parse_size, plan_export
+    from ..tools.export import parse_dtype, parse_size, plan_export
 
     if args.format != "safetensors":
         raise UsageError(f"--format {args.format!r}: only safetensors is supported")
     try:
-        from .export import export_safetensors
+        from ..tools.export import export_safetensors
         limit = parse_size(args.max_shard_size)
         dtype = parse_dtype(args.dtype)
         names = _names(args)
@@ -533,7 +533,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .export import ExportError, import_safetensors
+    from ..tools.export import ExportError, import_safetensors
 
     try:
         names = _names(args)
@@ -564,8 +564,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 # -- convert ---------------------------------------------------------------------------------------
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .export import parse_size
-    from .interop import convert
+    from ..tools import convert
+    from ..tools.export import parse_size
 
     if (args.from_ is None) == (args.to is None):
         raise UsageError("give exactly one of --from dcp|torch (into bytecheckpoint) or --to dcp (out of it)")
@@ -772,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from ._version import __version__
+    from .._version import __version__
 
     return f"bcp (bytecheckpoint) {__version__}"
 
@@ -783,7 +783,7 @@ def _debug(argv: list[str]) -> bool:
 
 def _failure(exc: BaseException) -> tuple[str, int]:
     """The one-line message (after ``bcp COMMAND:``) and the exit code of an error."""
-    from .export import ExportError
+    from ..tools.export import ExportError
 
     if isinstance(exc, UsageError):
         return f"error: {exc}", EXIT_USAGE

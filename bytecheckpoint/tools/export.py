@@ -40,11 +40,11 @@ from typing import Any
 import torch
 import xxhash
 
-from .dtypes import dtype_from_name, dtype_name
-from .errors import CheckpointError, CheckpointExistsError, UnsupportedStateError
-from .integrity import check_file_sizes, read_metadata, resolve
-from .metadata import CheckpointMetadata, TensorMeta
-from .shards import TensorShard
+from ..commit.integrity import check_file_sizes, read_metadata, resolve
+from ..errors import CheckpointError, CheckpointExistsError, UnsupportedStateError
+from ..format.dtypes import dtype_from_name, dtype_name
+from ..format.metadata import CheckpointMetadata, TensorMeta
+from ..state.tensor_shard import TensorShard
 
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
@@ -201,7 +201,7 @@ def _pack(items: Sequence[ExportItem], limit: int) -> list[list[ExportItem]]:
 
 def _load_full(url: str, keys: Sequence[tuple[str, TensorMeta]]) -> dict[str, torch.Tensor]:
     """Full tensors of ``keys`` through the library's resharding load (one process)."""
-    from .api import load
+    from ..api import load
 
     targets: dict[str, dict[str, TensorShard]] = {}
     out: dict[str, torch.Tensor] = {}
@@ -437,7 +437,7 @@ def import_safetensors(
     index recorded). The whole model is held in memory once (one writer)."""
     from safetensors import safe_open
 
-    from .api import save
+    from ..api import save
 
     names = names or NameMap()
     paths, recorded_tied, cfg = read_hf_dir(src_dir)

@@ -4,7 +4,7 @@ A :class:`TensorShard` is one rank's piece of a global tensor: a regular box (gl
 local shape) or a flattened range of such a box (a distributed optimizer's flat buffer, an
 FSDP flat parameter), plus a replica id. Megatron-LM's ``ShardedTensor`` and veScale-like
 custom layouts map onto it one to one. The library turns every piece into regular boxes of
-the global tensor (:func:`~bytecheckpoint.sharding.flat_range_boxes`) without moving data,
+the global tensor (:func:`~bytecheckpoint.format.boxes.flat_range_boxes`) without moving data,
 so saving needs no communication beyond planning and loads can land in any other layout.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedStateError
-from .sharding import Box, flat_range_boxes, row_major_strides
+from ..errors import UnsupportedStateError
+from ..format.boxes import Box, flat_range_boxes, row_major_strides
 
 ReplicaId = int | tuple[int, ...]
 

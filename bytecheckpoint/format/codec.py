@@ -13,8 +13,8 @@ import msgpack
 import numpy as np
 import torch
 
+from ..errors import CorruptCheckpointError, UnsupportedStateError
 from .dtypes import dtype_from_name, dtype_name
-from .errors import CorruptCheckpointError, UnsupportedStateError
 
 _EXT_TUPLE = 1
 _EXT_TENSOR = 2

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import StateMismatchError
+from ..errors import StateMismatchError
 
 
 def _rank_world() -> tuple[int, int]:

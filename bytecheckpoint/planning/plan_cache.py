@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..planning import GlobalSavePlan, LocalSavePlan, WriteItem
+from .global_plan import GlobalSavePlan, LocalSavePlan, WriteItem
 from .save_metadata import MetadataTemplate
 
 

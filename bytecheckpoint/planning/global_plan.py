@@ -17,10 +17,10 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .dtypes import itemsize
-from .errors import PlanningError
-from .gc_pause import gc_paused
-from .sharding import Box, coverage_problem, split_rows, untiled_tensors
+from ..errors import PlanningError
+from ..format.boxes import Box, coverage_problem, split_rows, untiled_tensors
+from ..format.dtypes import itemsize
+from ..runtime.gc_pause import gc_paused
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def plan_save(plans: list[LocalSavePlan], *, split_fraction: int = 8,
     1/split_fraction of a rank's fair share of the replicated bytes.
 
     Cost: one pass over the offered boxes (dict dedup keyed on plain tuples), a vectorised
-    coverage check (:func:`~bytecheckpoint.sharding.untiled_tensors`), a sort of the
+    coverage check (:func:`~bytecheckpoint.format.boxes.untiled_tensors`), a sort of the
     replicated pieces and O(log h) per placement: O(n log n) in boxes and ranks."""
     with gc_paused():
         return _plan_save(plans, split_fraction, min_piece_bytes)

@@ -14,8 +14,12 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .checksums import bad_chunks
-from .commit import (  # noqa: F401  (re-exported)
+from ..errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError
+from ..format.checksums import bad_chunks
+from ..format.file_headers import Entry, expected_entries, header_problem
+from ..format.metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
+from ..storage import Storage, open_storage
+from .protocol import (  # noqa: F401  (re-exported)
     LATEST_FILE,
     REPLACED_TAG,
     STAGING_TAG,
@@ -30,10 +34,6 @@ from .commit import (  # noqa: F401  (re-exported)
     stale_staging_dirs,
     update_latest,
 )
-from .errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError
-from .file_headers import Entry, expected_entries, header_problem
-from .metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
-from .storage import Storage, open_storage
 
 METADATA_MAX_ENV = "BCP_METADATA_MAX_BYTES"
 DEFAULT_METADATA_MAX_BYTES = 1 << 30
@@ -67,7 +67,7 @@ def resolve(url: str) -> tuple[Storage, str]:
         found = _find(storage, path)
         if found is not None:
             return storage, found
-    from .interop.dcp_load import open_dcp  # a PyTorch DCP directory, read as it is
+    from ..interop.dcp_load import open_dcp  # a PyTorch DCP directory, read as it is
 
     dcp = open_dcp(storage, path)
     if dcp is not None:

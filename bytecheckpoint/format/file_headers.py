@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from ..storage import Storage
 from .dtypes import safetensors_code
 from .metadata import CheckpointMetadata
-from .storage import Storage
 
 # absolute start, end, dtype code, shape, entry name(s). The name matters to the tools that read
 # the file by it: two same-shaped entries with swapped names hand them each other's numbers. A

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import msgpack
 import xxhash
 
+from ..errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
+from ..format.metadata import FORMAT_NAME, METADATA_FILE, CheckpointMetadata, check_file_name
+from ..storage import CommitMode, Storage
 from . import save_lock
-from .errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
 from .leases import LEASED_SCHEMES, is_being_read
-from .metadata import FORMAT_NAME, METADATA_FILE, CheckpointMetadata, check_file_name
 from .save_lock import STAGING_TAG, SaveLock, local_os_path
-from .storage import CommitMode, Storage
 
 LATEST_FILE = "latest"
 REPLACED_TAG = ".replaced-"
@@ -557,7 +557,7 @@ def _user_metadata(storage: Storage, path: str) -> dict | None:
 def _keeps_pointer(storage: Storage, parent: str, current: Latest, final: str) -> bool:
     """``latest`` names a later step than the new checkpoint: it stays unless the new one is on
     a timeline that abandoned it (a rollback, see :mod:`.manager.timeline`)."""
-    from .manager.timeline import abandons
+    from .timeline import abandons
 
     old = _user_metadata(storage, posixpath.join(parent, current.name))
     new = _user_metadata(storage, final)

@@ -1,0 +1,1 @@
+"""Process runtime: the communicator over torch.distributed, GC pauses and device placement."""
