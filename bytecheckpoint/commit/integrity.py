@@ -1,12 +1,11 @@
 """Resolving a checkpoint path, reading its metadata, and verification.
 
 The commit protocol (staging, commit, overwrite, the ``latest`` pointer) lives in
-:mod:`.commit`; its names are re-exported here for the tools that import them from this module.
+:mod:`.protocol`; its names are re-exported here for the tools that import them from this module.
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ from ..errors import CorruptCheckpointError, NotACheckpointError, NotARegularFil
 from ..format.checksums import bad_chunks
 from ..format.file_headers import Entry, expected_entries, header_problem
 from ..format.metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
+from ..format.metadata_file import metadata_max_bytes, read_metadata_bytes
 from ..storage import Storage, open_storage
 from .protocol import (  # noqa: F401  (re-exported)
     LATEST_FILE,
@@ -35,9 +35,6 @@ from .protocol import (  # noqa: F401  (re-exported)
     update_latest,
 )
 
-METADATA_MAX_ENV = "BCP_METADATA_MAX_BYTES"
-DEFAULT_METADATA_MAX_BYTES = 1 << 30
-_METADATA_READ_CHUNK = 64 << 20
 _VERIFY_BLOCK = 64 << 20  # bytes of one piece a verify thread holds at a time
 
 
@@ -121,40 +118,6 @@ def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
     meta_path = posixpath.join(path, METADATA_FILE)
     raw = read_metadata_bytes(storage, meta_path)
     return CheckpointMetadata.from_bytes(raw, source=storage.url(meta_path))
-
-
-def metadata_max_bytes() -> int:
-    """``BCP_METADATA_MAX_BYTES``: the largest metadata file a reader accepts (default 1 GiB,
-    several times what ten million boxes take)."""
-    raw = os.environ.get(METADATA_MAX_ENV, "").strip()
-    try:
-        value = int(raw) if raw else DEFAULT_METADATA_MAX_BYTES
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{METADATA_MAX_ENV} = {raw!r} is not a positive number of bytes; unset it "
-                         f"or raise it (default {DEFAULT_METADATA_MAX_BYTES})")
-    return value
-
-
-def read_metadata_bytes(storage: Storage, meta_path: str) -> bytes:
-    """The metadata file's bytes, refused above ``metadata_max_bytes()`` before anything is
-    allocated, and read in bounded chunks (a file that changes size meanwhile is an error)."""
-    size = storage.size(meta_path)
-    limit = metadata_max_bytes()
-    if size > limit:
-        raise CorruptCheckpointError(
-            f"{storage.url(meta_path)}: the metadata file is {size} bytes, over the limit of {limit} "
-            f"({METADATA_MAX_ENV}); the checkpoint is damaged or hostile, or raise the limit"
-        )
-    buf = bytearray(size)
-    view = memoryview(buf)
-    for start in range(0, size, _METADATA_READ_CHUNK):
-        end = min(size, start + _METADATA_READ_CHUNK)
-        if storage.read_into(meta_path, start, view[start:end]) != end - start:
-            raise CorruptCheckpointError(f"{storage.url(meta_path)}: the metadata file shrank while "
-                                         "it was read; retry, or check what else writes there")
-    return bytes(buf)
 
 
 def check_file_sizes(storage: Storage, path: str, meta: CheckpointMetadata, names: set[str], *,

@@ -45,6 +45,7 @@ from ..format.metadata import (
     ObjectMeta,
     TensorMeta,
 )
+from ..format.metadata_file import read_metadata_bytes
 from ..storage import Storage, Writer
 from ..storage.wrapper import StorageWrapper
 from .dcp_metadata import DCP_METADATA_FILE, DcpMetadata, DcpTensor, parse_dcp_metadata
@@ -88,8 +89,6 @@ class DcpStorage(StorageWrapper):
         self._refresh()
 
     def _refresh(self) -> None:
-        from ..commit.integrity import read_metadata_bytes  # integrity imports this module lazily
-
         raw = read_metadata_bytes(self.inner, posixpath.join(self.root, DCP_METADATA_FILE))
         digest = xxhash.xxh3_128_digest(raw)
         if digest == self._digest:

@@ -1,0 +1,46 @@
+"""Reading a metadata file off storage, bounded: a hostile size is refused before allocating."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import CorruptCheckpointError
+from ..storage import Storage
+
+METADATA_MAX_ENV = "BCP_METADATA_MAX_BYTES"
+DEFAULT_METADATA_MAX_BYTES = 1 << 30
+_METADATA_READ_CHUNK = 64 << 20
+
+
+def metadata_max_bytes() -> int:
+    """``BCP_METADATA_MAX_BYTES``: the largest metadata file a reader accepts (default 1 GiB,
+    several times what ten million boxes take)."""
+    raw = os.environ.get(METADATA_MAX_ENV, "").strip()
+    try:
+        value = int(raw) if raw else DEFAULT_METADATA_MAX_BYTES
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{METADATA_MAX_ENV} = {raw!r} is not a positive number of bytes; unset it "
+                         f"or raise it (default {DEFAULT_METADATA_MAX_BYTES})")
+    return value
+
+
+def read_metadata_bytes(storage: Storage, meta_path: str) -> bytes:
+    """The metadata file's bytes, refused above ``metadata_max_bytes()`` before anything is
+    allocated, and read in bounded chunks (a file that changes size meanwhile is an error)."""
+    size = storage.size(meta_path)
+    limit = metadata_max_bytes()
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{storage.url(meta_path)}: the metadata file is {size} bytes, over the limit of {limit} "
+            f"({METADATA_MAX_ENV}); the checkpoint is damaged or hostile, or raise the limit"
+        )
+    buf = bytearray(size)
+    view = memoryview(buf)
+    for start in range(0, size, _METADATA_READ_CHUNK):
+        end = min(size, start + _METADATA_READ_CHUNK)
+        if storage.read_into(meta_path, start, view[start:end]) != end - start:
+            raise CorruptCheckpointError(f"{storage.url(meta_path)}: the metadata file shrank while "
+                                         "it was read; retry, or check what else writes there")
+    return bytes(buf)
