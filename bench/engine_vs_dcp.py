@@ -549,7 +549,7 @@ def phase_ddp4(rank: int, world: int, port: int, cfg: GPTConfig, root: str, out_
 
 
 def spawn(fn: Any, world: int, *args: Any) -> None:
-    from tests.dist import free_port
+    from tests.support.dist import free_port
 
     mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="spawn")
 

@@ -36,7 +36,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
     import torch.distributed as dist
 
     import bytecheckpoint as bcp
-    from tests.workloads import make_fsdp2, train_step
+    from tests.support.workloads import make_fsdp2, train_step
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))

@@ -127,7 +127,7 @@ def main() -> None:
     backend_throughput(f"shm:// ({nbytes >> 20} MiB)", f"shm://bcp-bench-{tag}", nbytes, args.runs)
     backend_throughput(f"mem:// ({nbytes >> 20} MiB)", f"mem://bcp-bench-{tag}", nbytes, args.runs)
 
-    from tests.servers import S3_BUCKET, start_moto, stop_moto
+    from tests.support.servers import S3_BUCKET, start_moto, stop_moto
 
     start_moto()
     try:

@@ -59,7 +59,7 @@ def main() -> None:
     broker = None
     modes = ["off", "spool"]
     if not args.no_kafka:
-        from tests.telemetry_servers import Broker
+        from tests.support.telemetry_servers import Broker
 
         broker = Broker()
         broker.start()

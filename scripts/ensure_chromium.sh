@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium for the dashboard's screenshot test (tests/test_dashboard_browser.py), from
+# Headless Chromium for the dashboard's screenshot test (tests/integration/test_dashboard_browser.py), from
 # Debian's `chromium` package. Installs it only when it is missing and apt is usable (root).
 # Never fails the caller: without a browser that test fails by itself and says what to do.
 set -uo pipefail
@@ -17,5 +17,5 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   fi
 fi
 echo "warning: headless Chromium is missing and could not be installed here (needs root and apt);" \
-     "tests/test_dashboard_browser.py will fail until 'apt-get install -y chromium'" >&2
+     "tests/integration/test_dashboard_browser.py will fail until 'apt-get install -y chromium'" >&2
 exit 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docker-compose v1.29 (Debian package `docker-compose`) for tests/test_compose.py, which only
+# docker-compose v1.29 (Debian package `docker-compose`) for tests/e2e/test_compose.py, which only
 # validates docker-compose.yml (`docker-compose config -q`); no Docker engine is needed.
 # Installs it only when it is missing and apt is usable (root, or sudo without a password).
 # Never fails the caller: without it that test fails by itself and says what to do.
@@ -24,5 +24,5 @@ if [ "$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then
   fi
 fi
 echo "warning: docker-compose is missing and could not be installed here (needs root or sudo, and apt);" \
-     "tests/test_compose.py will fail until 'apt-get install -y docker-compose'" >&2
+     "tests/e2e/test_compose.py will fail until 'apt-get install -y docker-compose'" >&2
 exit 0

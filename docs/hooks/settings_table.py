@@ -1,9 +1,12 @@
-"""MkDocs hook: the settings reference, rendered from the settings registry at build time.
+"""MkDocs hook: the settings reference, rendered from every package's settings registry at build time.
 
 ``docs/operations.md`` holds the marker below; every build replaces it with one table per
-package, made from ``bytecheckpoint/settings.py`` (the list ``tests/test_compose.py`` checks
-against the source), so the page cannot drift from what the code reads. The registry is
-loaded from its file, not imported through the package, so a docs build needs no torch.
+registry: each package declares the variables it reads in its own ``settings`` module
+(``bytecheckpoint/settings.py`` has the machinery and the library's own), so the page cannot drift
+from them, and ``tests/unit/test_settings_registry.py`` checks them against the source.
+
+The settings modules are loaded from their files, not through their packages: a package's
+``__init__`` may import torch (``storage_tiering`` does), its settings module must not.
 """
 
 from __future__ import annotations
@@ -17,29 +20,54 @@ from typing import Any
 
 MARKER = "<!-- settings-reference -->"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REGISTRY = os.path.join(REPO, "bytecheckpoint", "settings.py")
-
-# Section of the table by the top-level package that reads the setting.
-SECTIONS = (
-    ("bytecheckpoint", "Library: every process that saves or loads"),
-    ("telemetry", "Telemetry: training processes, the ingester and the alert evaluator"),
-    ("dashboard", "Dashboard"),
-    ("storage_tiering", "Storage tiering"),
+# Each package's registry, in page order. A package that reads a new variable declares it in its
+# own module; a new package with settings adds its module here.
+MODULES = (
+    "bytecheckpoint/settings.py",
+    "telemetry/settings.py",
+    "dashboard/settings.py",
+    "storage_tiering/settings.py",
+    "tests/support/settings.py",
 )
 # Names of variables inside the registry's prose, set in code type on the page.
 _NAME = re.compile(r"\b(?:BCP|AWS)_[A-Z0-9_]*[A-Z0-9]\b|\bLOCAL_WORLD_SIZE\b")
 
 
-def load_registry() -> ModuleType:
-    if not os.path.exists(REGISTRY):
-        raise RuntimeError(f"the settings registry {REGISTRY} is gone: point docs/hooks/settings_table.py "
-                           "at its new place")
-    spec = importlib.util.spec_from_file_location("_bcp_settings_registry", REGISTRY)
+def _load(rel: str) -> ModuleType:
+    path = os.path.join(REPO, rel)
+    if not os.path.exists(path):
+        raise RuntimeError(f"the settings registry {rel} is gone: point MODULES in "
+                           "docs/hooks/settings_table.py at its new place")
+    if rel == "bytecheckpoint/settings.py":  # the machinery: one copy, so Setting is one class
+        import bytecheckpoint.settings
+
+        return bytecheckpoint.settings
+    name = "_bcp_settings_" + rel.removesuffix(".py").replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    sys.modules[name] = module  # dataclasses look their module up while a class is built
     spec.loader.exec_module(module)
     return module
+
+
+def sources() -> tuple[tuple[str, Any], ...]:
+    """``(module path, REGISTRY)`` of every package, in page order."""
+    if REPO not in sys.path:  # `mkdocs build` from elsewhere still finds the library
+        sys.path.insert(0, REPO)
+    return tuple((rel, _load(rel).REGISTRY) for rel in MODULES)
+
+
+def registries() -> tuple[Any, ...]:
+    """Every package's ``REGISTRY``, in page order."""
+    return tuple(reg for _, reg in sources())
+
+
+def all_settings() -> tuple[Any, ...]:
+    """Every declared setting; a name declared by two packages raises ``SettingsError``."""
+    from bytecheckpoint.settings import merge
+
+    return merge(registries())
 
 
 def _cell(text: str) -> str:
@@ -54,23 +82,23 @@ def _default(text: str) -> str:
     return f"`{text}`"
 
 
-def render(settings: Any = None) -> str:
-    """The settings reference: a table per package, every setting of the registry once."""
-    settings = load_registry().SETTINGS if settings is None else settings
+def render(regs: Any = None) -> str:
+    """The settings reference: a table per package, every setting of every registry once.
+
+    ``regs``: ``(module path, registry)`` pairs, by default every package's."""
+    regs = sources() if regs is None else regs
+    from bytecheckpoint.settings import merge
+
+    merge(reg for _, reg in regs)  # refuses a name declared twice before anything is rendered
     out: list[str] = []
-    done = 0
-    for package, title in SECTIONS:
-        rows = [s for s in settings if s.read_by.split("/", 1)[0] == package]
-        if not rows:
+    for rel, reg in regs:
+        if not reg.settings:
             continue
-        out += [f"### {title}", "", "| variable | read by | default | meaning |", "| --- | --- | --- | --- |"]
-        out += [f"| `{s.name}` | `{s.read_by}` | {_default(s.default)} | {_cell(s.meaning)} |" for s in rows]
+        out += [f"### {reg.title}", "", f"Declared in `{rel}`.", "",
+                "| variable | read by | default | meaning |", "| --- | --- | --- | --- |"]
+        out += [f"| `{s.name}` | `{s.read_by}` | {_default(s.default)} | {_cell(s.meaning)} |"
+                for s in reg.settings]
         out.append("")
-        done += len(rows)
-    if done != len(settings):
-        stray = sorted(s.name for s in settings if s.read_by.split("/", 1)[0] not in dict(SECTIONS))
-        raise RuntimeError(f"settings read outside the known packages: {stray}; add their package to "
-                           "SECTIONS in docs/hooks/settings_table.py")
     return "\n".join(out)
 
 

@@ -1,0 +1,131 @@
+"""The CUDA and NCCL paths on real GPUs (issue 22). Run with ``pytest -m gpu`` (docs/gpu.md).
+
+Skipped, with the reason, where there are not enough GPUs; always collected, so they cannot
+rot unnoticed. What can be checked without a GPU is in tests/dist/test_gpu_logic_cpu.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support import gpu_workloads as g
+from tests.support.dist import free_port
+
+pytestmark = pytest.mark.gpu
+
+
+def needs_gpus(n: int, purpose: str) -> pytest.MarkDecorator:
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < n, reason=f"needs {n} GPU(s), found {have}: {purpose}")
+
+
+def _nccl_run(world: int, fn: Any, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` fresh NCCL ranks (rank r on cuda:r); a hang fails."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=g.nccl_worker,
+                         args=(r, world, port, (fn.__module__, fn.__name__, args), results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                silent = sorted(set(range(world)) - set(out))
+                pytest.fail(f"{fn.__name__} hung: no answer from ranks {silent}")
+            if not ok:
+                pytest.fail(f"{fn.__name__} failed on rank {rank}:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+# -- staging: the copy waits for the caller's work, on the tensors' own device -------------
+
+
+@needs_gpus(2, "a save of tensors on cuda:1, where a staging thread on cuda:0 copied unsynchronised")
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("set_device", [False, True])
+def test_save_of_tensors_on_the_second_gpu_is_exact(tmp_path, set_device, async_save):
+    assert g.cuda_save_roundtrip(str(tmp_path / "c"), 1, set_device, async_save)
+
+
+@needs_gpus(1, "a save right after pending work on the caller's (default or side) stream")
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_save_waits_for_the_callers_stream(tmp_path, side_stream, async_save):
+    assert g.cuda_save_after_pending_work(str(tmp_path / "c"), side_stream, async_save)
+
+
+@needs_gpus(2, "ranks on cuda:0 and cuda:1 saving and loading over gloo")
+@pytest.mark.parametrize("async_save", [False, True])
+def test_two_ranks_on_two_gpus(world, tmp_path, async_save):
+    results = world(2).run(g.cuda_rank_roundtrip, str(tmp_path / "c"), async_save)
+    assert results == [True, True]
+
+
+@needs_gpus(1, "the pinned staging arena: exact size, outside the caching host allocator")
+def test_pinned_arena_after_growth(tmp_path):
+    got = g.pinned_bytes_after_growth(str(tmp_path))
+    assert got["pinned"] == 1
+    assert got["capacity"] == 20 << 20  # exactly what the larger save needs, not 32 MiB
+    assert got["host_cache"] == 0  # no block of the old arena kept pinned in the cache
+
+
+# -- NCCL loads ---------------------------------------------------------------------------
+
+CASES = [("ddp", False, False), ("ddp", False, True), ("fsdp2", False, False),
+         ("fsdp2", False, True), ("fsdp2", True, False)]
+
+
+@pytest.mark.parametrize("framework,offload,fused", CASES)
+@pytest.mark.parametrize("saved,loaded", [(2, 2), (2, 3), (4, 2)])
+def test_nccl_load(tmp_path, framework, offload, fused, saved, loaded):
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < max(saved, loaded):
+        pytest.skip(f"needs {max(saved, loaded)} GPUs, found {have}: NCCL load of {framework} "
+                    f"with AdamW (fused={fused}, offload={offload}) from {saved} to {loaded} ranks")
+    root = str(tmp_path / "c")
+    expected = _nccl_run(saved, g.nccl_save, root, framework, offload, fused)[0]
+    results = _nccl_run(loaded, g.nccl_load, root, framework, offload, fused)
+    # NCCL unless a rank has no CUDA tensor (CPU offload): then every rank uses gloo
+    assert {r["transport"] for r in results} == {"gloo" if offload else "nccl"}
+    for r in results:
+        assert len(r["state"]) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(expected, r["state"]))
+
+
+@needs_gpus(3, "an NCCL load as the group's first operation, with ranks that post nothing")
+def test_nccl_load_as_the_groups_first_operation(tmp_path):
+    root = str(tmp_path / "c")
+    expected = _nccl_run(2, g.nccl_save, root, "fsdp2", False, False)[0]
+    results = _nccl_run(3, g.nccl_load, root, "fsdp2", False, False)  # resharded: uneven plan
+    assert all(all(torch.equal(a, b) for a, b in zip(expected, r["state"])) for r in results)
+
+
+@needs_gpus(2, "an out-of-memory error inside the NCCL load window, raised on every rank")
+def test_oom_in_the_nccl_window_fails_every_rank(tmp_path):
+    root = str(tmp_path / "c")
+    _nccl_run(2, g.nccl_save, root, "fsdp2", False, False)
+    results = _nccl_run(2, g.nccl_load_with_oom, root, 1, timeout=120)
+    assert all(r["raised"] is not None and r["raised"][1] for r in results), results
+    assert all(r["after"] == 2 for r in results)
+
+
+@needs_gpus(4, "a save and load on an NCCL subgroup called by its members only")
+def test_load_on_an_nccl_subgroup(tmp_path):
+    results = _nccl_run(4, g.nccl_subgroup_roundtrip, str(tmp_path / "c"))
+    assert results == [True, True, None, None]

@@ -1,0 +1,333 @@
+"""Rank functions for tests/dist/test_gpu_logic_cpu.py: the GPU paths' logic, run on gloo ranks.
+
+Each function restores whatever it patched before it returns, since the pool's processes run
+many tests."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import bytecheckpoint as bcp
+from bytecheckpoint.engine import load_pipeline, staging
+from bytecheckpoint.runtime import devices
+from bytecheckpoint.runtime.comm import Communicator, Outcome
+
+
+def _model_and_adam(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small replicated model with AdamW after one step: its ``step`` is a CPU scalar that
+    every rank holds, the tensor NCCL loads used to pass to NCCL as a host tensor."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 24), nn.Linear(24, 8))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 32)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _values(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t.detach().clone() for t in model.state_dict().values()]
+    for s in optim.state.values():
+        out += [v.detach().clone() for v in s.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def save_replicated(root: str) -> None:
+    model, optim = _model_and_adam(seed=0)
+    bcp.save(root, {"model": model, "optimizer": optim}, framework="ddp", overwrite=True)
+
+
+def load_pretending(root: str, pretend_ranks: list[int]) -> dict[str, Any]:
+    """Load on every rank; the ranks in ``pretend_ranks`` say they hold CUDA targets on an
+    NCCL group (the test seam), the others have none."""
+    ref_model, ref_optim = _model_and_adam(seed=0)
+    model, optim = _model_and_adam(seed=7)
+    devices.PRETEND_CUDA = dist.get_rank() in pretend_ranks
+    try:
+        t = time.monotonic()
+        result = bcp.load(root, {"model": model, "optimizer": optim}, framework="ddp")
+        elapsed = time.monotonic() - t
+    finally:
+        devices.PRETEND_CUDA = False
+    same = all(torch.equal(a, b) for a, b in zip(_values(ref_model, ref_optim), _values(model, optim)))
+    return {"transport": result.transport, "same": same, "elapsed": elapsed}
+
+
+def load_with_failed_allocation(root: str, failing_rank: int, pretend: bool) -> dict[str, Any]:
+    """One rank cannot allocate its window's buffers (as a CUDA OOM would): every rank must
+    raise a named error, promptly, and the group must stay usable."""
+    model, optim = _model_and_adam(seed=7)
+    original = load_pipeline.LoadPipeline._allocate
+
+    def out_of_memory(self: Any, *args: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    if dist.get_rank() == failing_rank:
+        load_pipeline.LoadPipeline._allocate = out_of_memory  # type: ignore[method-assign]
+    devices.PRETEND_CUDA = pretend
+    t = time.monotonic()
+    try:
+        bcp.load(root, {"model": model, "optimizer": optim}, framework="ddp")
+        raised = None
+    except Exception as exc:
+        raised = (type(exc).__name__, isinstance(exc, bcp.CheckpointError), str(exc))
+    finally:
+        load_pipeline.LoadPipeline._allocate = original  # type: ignore[method-assign]
+        devices.PRETEND_CUDA = False
+    elapsed = time.monotonic() - t
+    dist.barrier()  # the group still works: nobody is left inside an exchange
+    return {"raised": raised, "elapsed": elapsed}
+
+
+def async_save_with_failed_arena(root: str, failing_rank: int) -> dict[str, Any]:
+    """The staging arena cannot be allocated on one rank: every rank raises a named error
+    within the timeout instead of waiting in the commit round."""
+    model, optim = _model_and_adam(seed=0)
+    original = staging.HostBufferPool.reserve
+
+    def no_memory(self: Any, nbytes: int) -> torch.Tensor:
+        raise MemoryError(f"cannot allocate {nbytes} bytes (injected)")
+
+    if dist.get_rank() == failing_rank:
+        staging.HostBufferPool.reserve = no_memory  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    t = time.monotonic()
+    try:
+        try:
+            handle = bcp.save(root, {"model": model, "optimizer": optim}, framework="ddp",
+                              async_save=True, overwrite=True)
+            handle.wait(timeout=60)
+            out["raised"] = None
+        except Exception as exc:
+            out["raised"] = (type(exc).__name__, isinstance(exc, bcp.CheckpointError), str(exc))
+    finally:
+        staging.HostBufferPool.reserve = original  # type: ignore[method-assign]
+    out["elapsed"] = time.monotonic() - t
+    dist.barrier()
+    return out
+
+
+def twin_of_subgroup(pretend_backend: str) -> list[int] | None:
+    """Only ranks 0 and 1 load on their subgroup (its other ranks have nothing to do with
+    it), so only they build a Communicator on it, which takes a gloo twin of a non-gloo
+    group. Afterwards every rank makes a group together, as training code does: that only
+    works if making the twin left no trace on the ranks outside it."""
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1], backend="gloo", use_local_synchronization=True,
+                         timeout=timedelta(seconds=30))
+    gathered = None
+    if rank < 2:
+        original = dist.get_backend
+
+        def backend(group: Any = None) -> str:
+            return pretend_backend if group is sub else original(group)
+
+        dist.get_backend = backend  # type: ignore[assignment]
+        try:
+            gathered = [o.value for o in Communicator(sub).all_gather(Outcome(value=rank))]
+        finally:
+            dist.get_backend = original  # type: ignore[assignment]
+    everyone = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    dist.barrier(group=everyone)
+    return gathered
+
+
+# -- on GPUs (tests/dist/test_gpu_paths.py) ------------------------------------------------------
+
+
+def nccl_worker(rank: int, world: int, port: int, task: tuple[str, str, tuple], results: Any) -> None:
+    """One rank of an NCCL world (started by test_gpu_paths._nccl_run): runs ``task`` and
+    reports (rank, ok, value or traceback)."""
+    import importlib
+    import os
+    import traceback
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    module, name, args = task
+    try:
+        results.put((rank, True, getattr(importlib.import_module(module), name)(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _cuda_state(device: torch.device, seed: int, mb: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    n = mb * (1 << 20) // 4
+    return {"big": torch.randn(n, device=device, generator=g),
+            "half": torch.randn(1000, 37, device=device, generator=g).half(),
+            "view": torch.randn(64, 64, device=device, generator=g)[:, 3:40],  # not contiguous
+            "empty": torch.empty(0, device=device)}
+
+
+def cuda_save_roundtrip(root: str, device_index: int, set_device: bool, async_save: bool) -> bool:
+    """Save tensors on ``cuda:device_index`` (with or without set_device in the caller),
+    clobber them as soon as save returns, and load them back bit for bit."""
+    device = torch.device("cuda", device_index)
+    if set_device:
+        torch.cuda.set_device(device)
+    state = _cuda_state(device, seed=1)
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    out = bcp.save(root, {"model": state}, async_save=async_save, overwrite=True)
+    for v in state.values():
+        v.fill_(7)  # training goes on
+    if async_save:
+        out.wait()  # type: ignore[union-attr]
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(root, {"model": into})
+    return all(torch.equal(into[k].cpu(), expected[k]) for k in expected)
+
+
+def cuda_save_after_pending_work(root: str, side_stream: bool, async_save: bool) -> bool:
+    """The values exist only once the caller's stream runs: a long ``torch.cuda._sleep``,
+    then the fill that makes them. Save right away, clobber right after; the checkpoint must
+    hold the filled values (the copy waited for the caller's stream)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.zeros(16 << 20, device=device)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the fill runs
+        x.fill_(3.0)
+        out = bcp.save(root, {"x": x}, async_save=async_save, overwrite=True)
+        x.fill_(-1.0)
+    if async_save:
+        out.wait()  # type: ignore[union-attr]
+    torch.cuda.synchronize()
+    into = {"x": torch.zeros_like(x)}
+    bcp.load(root, into)
+    return bool((into["x"] == 3.0).all().item())
+
+
+def pinned_bytes_after_growth(root: str) -> dict[str, int]:
+    """Two saves, the second larger: the staging arena is pinned at its exact size and the
+    caching host allocator holds nothing for it."""
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    bcp.save(f"{root}/a", {"x": torch.ones(3 << 20, device=device)})  # 12 MiB
+    bcp.save(f"{root}/b", {"x": torch.ones(5 << 20, device=device)})  # 20 MiB
+    pool = staging.pool(True)
+    return {"capacity": pool.capacity, "pinned": int(pool.is_pinned),
+            "host_cache": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before}
+
+
+def _fsdp2(seed: int, offload: bool, fused: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(96, 130), nn.ReLU(), nn.Linear(130, 7)).cuda()
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    kw: dict[str, Any] = {"mesh": mesh}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+
+
+def _ddp(seed: int, offload: bool, fused: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed)
+    model = DDP(nn.Sequential(nn.Linear(96, 130), nn.ReLU(), nn.Linear(130, 7)).cuda())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    torch.manual_seed(5)
+    inputs = torch.randn(8, 96, device="cuda")
+    model(inputs).square().sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _full(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+    out = [whole(t) for t in model.state_dict().values()]
+    for s in optim.state.values():
+        out += [whole(v) for v in s.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def nccl_save(root: str, framework: str, offload: bool, fused: bool) -> list[torch.Tensor]:
+    make = _fsdp2 if framework == "fsdp2" else _ddp
+    model, optim = make(0, offload, fused)
+    _train(model, optim)
+    bcp.save(root, {"model": model, "optimizer": optim}, framework=framework, overwrite=True)
+    return _full(model, optim)
+
+
+def nccl_load(root: str, framework: str, offload: bool, fused: bool) -> dict[str, Any]:
+    make = _fsdp2 if framework == "fsdp2" else _ddp
+    model, optim = make(9, offload, fused)
+    _train(model, optim)  # creates the optimizer state (step is a CPU scalar unless fused)
+    result = bcp.load(root, {"model": model, "optimizer": optim}, framework=framework)
+    return {"transport": result.transport, "state": _full(model, optim)}
+
+
+def nccl_load_with_oom(root: str, failing_rank: int) -> dict[str, Any]:
+    model, optim = _fsdp2(9, False, False)
+    _train(model, optim)
+    original = load_pipeline.LoadPipeline._allocate
+
+    def out_of_memory(self: Any, *args: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    if dist.get_rank() == failing_rank:
+        load_pipeline.LoadPipeline._allocate = out_of_memory  # type: ignore[method-assign]
+    try:
+        bcp.load(root, {"model": model, "optimizer": optim}, framework="fsdp2")
+        raised = None
+    except Exception as exc:
+        raised = (type(exc).__name__, isinstance(exc, bcp.CheckpointError))
+    finally:
+        load_pipeline.LoadPipeline._allocate = original  # type: ignore[method-assign]
+    ok = torch.ones(1, device="cuda")
+    dist.all_reduce(ok)  # NCCL is still usable: nobody is stuck in the exchange
+    return {"raised": raised, "after": int(ok.item())}
+
+
+def nccl_subgroup_roundtrip(root: str) -> bool | None:
+    """Ranks 0 and 1 save and load on their NCCL subgroup; the other ranks never call."""
+    sub = dist.new_group([0, 1], backend="nccl", use_local_synchronization=True)
+    result = None
+    if dist.get_rank() < 2:
+        state = {"w": torch.arange(1000.0, device="cuda")}
+        bcp.save(root, {"model": state}, process_group=sub, framework="ddp", overwrite=True)
+        into = {"w": torch.zeros(1000, device="cuda")}
+        bcp.load(root, {"model": into}, process_group=sub, framework="ddp")
+        result = bool(torch.equal(into["w"], torch.arange(1000.0, device="cuda")))
+    dist.barrier()
+    return result
+
+
+def cuda_rank_roundtrip(root: str, async_save: bool) -> bool:
+    """Rank r of a gloo world keeps its tensors on cuda:r without calling set_device."""
+    device = torch.device("cuda", dist.get_rank())
+    state = _cuda_state(device, seed=3, mb=16)  # replicated: the same values on every rank
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    out = bcp.save(root, {"model": state}, framework="ddp", async_save=async_save, overwrite=True)
+    for v in state.values():
+        v.fill_(7)
+    if async_save:
+        out.wait()  # type: ignore[union-attr]
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(root, {"model": into}, framework="ddp")
+    return all(torch.equal(into[k].cpu(), expected[k]) for k in expected)

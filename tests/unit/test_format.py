@@ -1,0 +1,96 @@
+"""The on-disk format: metadata round trip, safe object codec, safetensors compatibility,
+and the in-memory backend."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import bytecheckpoint as bcp
+from bytecheckpoint.commit.integrity import read_metadata, resolve
+from bytecheckpoint.errors import CorruptCheckpointError, UnsupportedStateError
+from bytecheckpoint.format import codec
+from bytecheckpoint.format.metadata import CheckpointMetadata
+from tests.support import workloads as w
+from tests.support.helpers import assert_same_state
+
+
+def test_object_codec_round_trips_rng_and_optimizer_values():
+    value = {
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "betas": (0.9, 0.95),
+        "nested": {1: [None, True, 2.5, "x", b"\x00\xff"], (1, 2): torch.tensor(3.0)},
+        "bf16": torch.arange(4, dtype=torch.bfloat16),
+        "dtype": torch.float16,
+    }
+    back = codec.decode(codec.encode(value))
+    assert back["python_rng"] == value["python_rng"]
+    assert back["numpy_rng"][0] == "MT19937" and np.array_equal(back["numpy_rng"][1], value["numpy_rng"][1])
+    assert torch.equal(back["torch_rng"], value["torch_rng"])
+    assert back["betas"] == (0.9, 0.95) and back["dtype"] is torch.float16
+    assert back["nested"][1] == value["nested"][1]
+    assert torch.equal(back["nested"][(1, 2)], torch.tensor(3.0))
+    assert torch.equal(back["bf16"], value["bf16"])
+    random.setstate(back["python_rng"])  # really usable as an RNG state
+
+
+def test_object_codec_refuses_unknown_types_and_garbage():
+    with pytest.raises(UnsupportedStateError, match="cannot store a value of type"):
+        codec.encode({"f": lambda: 1})
+    with pytest.raises(CorruptCheckpointError):
+        codec.decode(b"\xc7\x03\x63abc")  # an extension type we never write
+
+
+def test_metadata_round_trip_and_storage_files_are_safetensors(tmp_path):
+    model, optim = w.make_plain(seed=3)
+    w.train_step(model, optim, 0, 0)
+    bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim},
+             step=7, user_metadata={"run": "abc", "lr": 0.1})
+    storage, path = resolve(str(tmp_path / "c"))
+    meta = read_metadata(storage, path)
+    again = CheckpointMetadata.from_bytes(meta.to_bytes())
+    assert [t.key for t in again.tensors] == [t.key for t in meta.tensors]
+    assert again.step == 7 and again.user_metadata == {"run": "abc", "lr": 0.1}
+    for t in meta.tensors:
+        assert again.boxes_of(t.key) == meta.boxes_of(t.key)
+    # Every storage file opens with the safetensors library, entries equal to the model's.
+    with safe_open(str(tmp_path / "c" / "model-00000.safetensors"), "pt") as f:
+        assert f.get_tensor("model/head.weight@0,0").equal(model.head.weight)
+    with safe_open(str(tmp_path / "c" / "optim-00000.safetensors"), "pt") as f:
+        assert len(list(f.keys())) == len([t for t in meta.tensors if t.key.startswith("optimizer/")])
+
+
+def test_memory_backend_round_trip():
+    model, optim = w.make_plain(seed=4)
+    w.train_step(model, optim, 0, 0)
+    ref = w.full_state(model, optim)
+    bcp.save("mem://jobs/a/step_1", {"model": model, "optimizer": optim}, step=1)
+    fresh, fresh_optim = w.make_plain(seed=5, lr=1.0)
+    result = bcp.load("mem://jobs/a", {"model": fresh, "optimizer": fresh_optim})
+    assert result.step == 1
+    assert_same_state(ref, w.full_state(fresh, fresh_optim))
+    assert bcp.verify("mem://jobs/a") == []
+
+
+def test_wrapper_names_are_dropped_but_user_names_kept(tmp_path):
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = torch.nn.Linear(2, 3)  # a user submodule that happens to be "module"
+            self.head = torch.nn.Linear(3, 1)
+
+    torch.manual_seed(0)
+    saved = Model()
+    bcp.save(str(tmp_path / "c"), {"model": torch.compile(saved)})
+    storage, path = resolve(str(tmp_path / "c"))
+    keys = [t.key for t in read_metadata(storage, path).tensors]
+    assert keys == ["model/head.bias", "model/head.weight", "model/module.bias", "model/module.weight"]
+    plain = Model()
+    bcp.load(str(tmp_path / "c"), {"model": plain})
+    assert torch.equal(plain.module.weight, saved.module.weight)
