@@ -1,31 +1,107 @@
-"""Every environment variable the project reads, in one list: the reference for operators.
+"""The settings registry: each package declares the environment variables it reads.
 
-The code reads each variable where it is used (``bytecheckpoint/storage/config.py``,
-``telemetry/config.py``, ``storage_tiering/config.py``, ...); this list only names them.
-``tests/test_compose.py`` keeps the two from drifting apart: each name here must appear in the
-module it names, every ``BCP_*`` name in the source must be listed here, and the production
-``docker-compose.yml`` may set only names from this list on the project's own services.
+A registry names variables with their default and meaning, for operators; the code still reads
+each variable where it is used. Every package owns its own registry in its ``settings`` module:
+the library's is below, telemetry's is ``telemetry/settings.py``, the dashboard's
+``dashboard/settings.py``, the tiering service's ``storage_tiering/settings.py`` and the test
+suite's and scripts' ``tests/support/settings.py``. The docs build renders one table per registry
+(``docs/hooks/settings_table.py``), and ``tests/unit/test_settings_registry.py`` reads the source to
+check that every variable read is declared exactly once and every declared one is read.
+
+This module is foundation-level and light (no torch, no upper package): every settings module
+imports it, and the docs build loads them all.
 """
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from .errors import CheckpointError
+
+_NAME = re.compile(r"^[A-Z][A-Z0-9_]*[A-Z0-9]$")
+_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./-]*\.(py|sh)$")
+
+
+class SettingsError(CheckpointError, ValueError):
+    """A settings registry is malformed: a bad name, a duplicate, a multi-line description."""
 
 
 @dataclass(frozen=True)
 class Setting:
-    name: str
-    read_by: str  # the module that reads it (a path relative to the repository root)
-    default: str
-    meaning: str
+    name: str  # the environment variable
+    read_by: str  # the module that reads it, relative to the repository root
+    default: str  # what applies when it is unset ("" when nothing does)
+    meaning: str  # one line for the reference table
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The settings one package reads, in the order the reference page lists them."""
+
+    package: str
+    title: str  # the heading of this package's table on the reference page
+    settings: tuple[Setting, ...]
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(s.name for s in self.settings)
+
+
+def _check(package: str, s: object) -> Setting:
+    if not isinstance(s, Setting):
+        raise SettingsError(f"{package} settings: {s!r} is not a Setting; declare it as "
+                            "Setting(name, read_by, default, meaning)")
+    if not _NAME.match(s.name):
+        raise SettingsError(f"{package} settings: {s.name!r} is not an environment variable name "
+                            "(upper-case letters, digits and underscores)")
+    if not _PATH.match(s.read_by) or ".." in s.read_by.split("/"):
+        raise SettingsError(f"{package} settings: {s.name} read_by={s.read_by!r} must be a .py or .sh path "
+                            "relative to the repository root, inside it")
+    if not isinstance(s.default, str) or "\n" in s.default:
+        raise SettingsError(f"{package} settings: {s.name} default={s.default!r} must be one line of text "
+                            "(\"\" when nothing applies)")
+    if not isinstance(s.meaning, str) or not s.meaning.strip() or "\n" in s.meaning:
+        raise SettingsError(f"{package} settings: {s.name} needs a one-line meaning, got {s.meaning!r}")
+    return s
+
+
+def registry(package: str, title: str, settings: Iterable[Setting]) -> Registry:
+    """A package's registry, checked: well-formed entries, each name once."""
+    if not package.isidentifier():
+        raise SettingsError(f"settings registry {package!r}: name it after its package (an identifier)")
+    if not title.strip() or "\n" in title:
+        raise SettingsError(f"settings registry {package}: the title must be one line, got {title!r}")
+    checked = tuple(_check(package, s) for s in settings)
+    twice = sorted(name for name, n in Counter(s.name for s in checked).items() if n > 1)
+    if twice:
+        raise SettingsError(f"{package} settings declare {twice} more than once: keep one entry each")
+    return Registry(package, title.strip(), checked)
+
+
+def merge(registries: Iterable[Registry]) -> tuple[Setting, ...]:
+    """Every setting of ``registries``, in order; a name or a package declared twice is an error."""
+    owner: dict[str, str] = {}
+    packages: set[str] = set()
+    out: list[Setting] = []
+    for reg in registries:
+        if reg.package in packages:
+            raise SettingsError(f"two settings registries are named {reg.package!r}: one per package")
+        packages.add(reg.package)
+        for s in reg.settings:
+            if s.name in owner:
+                raise SettingsError(f"{s.name} is declared by both {owner[s.name]} and {reg.package}: "
+                                    "keep it in the package that reads it")
+            owner[s.name] = reg.package
+            out.append(s)
+    return tuple(out)
 
 
 _S3 = "bytecheckpoint/storage/config.py"
-_TEL = "telemetry/config.py"
-_TIER = "storage_tiering/config.py"
 
-SETTINGS: tuple[Setting, ...] = (
-    # -- storage (the library, every process that saves or loads) ------------------------------
+REGISTRY = registry("bytecheckpoint", "Library: every process that saves or loads", (
     Setting("BCP_STORAGE_CONFIG", _S3, "", "TOML file with [transfer], [retry], [s3], [hdfs] sections"),
     Setting("BCP_STORAGE_PART_BYTES", _S3, "67108864", "size of the parts a large write is split into"),
     Setting("BCP_STORAGE_THREADS", _S3, "4", "concurrent parts / ranged reads per file"),
@@ -44,7 +120,8 @@ SETTINGS: tuple[Setting, ...] = (
             "world size from which coordination goes through the tree when BCP_COMM_TREE is unset"),
     Setting("BCP_COMM_HOST_SIZE", "bytecheckpoint/runtime/comm.py", "LOCAL_WORLD_SIZE",
             "ranks per host in the coordination tree (blocks of consecutive ranks)"),
-    Setting("BCP_COMM_FANOUT", "bytecheckpoint/runtime/comm.py", "16", "children per leader above the host level"),
+    Setting("BCP_COMM_FANOUT", "bytecheckpoint/runtime/comm.py", "16",
+            "children per leader above the host level"),
     Setting("BCP_FILES_PER", "bytecheckpoint/engine/host_files.py", "rank",
             "default of save(files_per=): rank (a storage file per rank and kind) or host (per "
             "host and kind, hosts of BCP_COMM_HOST_SIZE / LOCAL_WORLD_SIZE ranks)"),
@@ -67,7 +144,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BCP_HDFS_URL", _S3, "", "default name node for hdfs:///path URLs, hdfs://host:8020"),
     Setting("BCP_SHM_DIR", "bytecheckpoint/storage/shm.py", "/dev/shm/bytecheckpoint",
             "directory behind shm:// URLs"),
-    Setting("BCP_METADATA_MAX_BYTES", "bytecheckpoint/commit/integrity.py", "1073741824",
+    Setting("BCP_METADATA_MAX_BYTES", "bytecheckpoint/format/metadata_file.py", "1073741824",
             "the largest metadata file a reader accepts (a larger one is refused as damaged)"),
     Setting("BCP_SAVE_LEASE_S", "bytecheckpoint/commit/save_lock.py", "300",
             "on storage without file locks, a save's owner record counts as dead this long after "
@@ -82,47 +159,4 @@ SETTINGS: tuple[Setting, ...] = (
             "1: bcp prints the full traceback of an unexpected error (as --debug does)"),
     Setting("BCP_LEASE_TTL_S", "bytecheckpoint/commit/leases.py", "21600",
             "how long a read lease protects a checkpoint from tiering and gc"),
-    # -- telemetry (training processes) ----------------------------------------------------------
-    Setting("BCP_TELEMETRY", _TEL, "on", "off / 0 / false disables every event"),
-    Setting("BCP_TELEMETRY_SINK", _TEL, "spool (kafka when BCP_TELEMETRY_KAFKA is set)", "spool or kafka"),
-    Setting("BCP_TELEMETRY_DIR", _TEL, "./.bytecheckpoint/telemetry", "spool directory"),
-    Setting("BCP_TELEMETRY_KAFKA", _TEL, "", "Kafka bootstrap servers, host:port[,host:port]"),
-    Setting("BCP_TELEMETRY_TOPIC", _TEL, "bcp-telemetry", "Kafka topic of the events"),
-    Setting("BCP_TELEMETRY_QUEUE", _TEL, "65536", "events buffered in memory before dropping"),
-    Setting("BCP_TELEMETRY_SPOOL_MAX_BYTES", _TEL, "67108864", "size at which a spool file is rotated"),
-    Setting("BCP_TELEMETRY_SPOOL_LIMIT_BYTES", _TEL, "1073741824",
-            "spool bytes kept before the oldest are dropped (not yet ingested, or acknowledged by Kafka)"),
-    Setting("BCP_TELEMETRY_FSYNC", _TEL, "interval", "spool fsync policy: interval, always or never"),
-    Setting("BCP_JOB", "telemetry/context.py", "default", "job name on every event"),
-    Setting("BCP_RUN", "telemetry/context.py", "", "run name on every event"),
-    # -- telemetry store, ingester, alerts, dashboard ----------------------------------------------
-    Setting("BCP_CLICKHOUSE_DSN", "telemetry/store/client.py", "chdb://<spool dir>/../store",
-            "ClickHouse: http(s)://user:pass@host:8123/db, or chdb:///abs/path (embedded)"),
-    Setting("BCP_INGEST_GROUP", "telemetry/ingest/__main__.py", "bcp-ingest",
-            "Kafka consumer group of the ingester"),
-    Setting("BCP_INGEST_KILL_AFTER_INSERTS", "telemetry/ingest/runner.py", "0",
-            "crash test hook (never set in production)"),
-    Setting("BCP_DASHBOARD_DSN", "dashboard/store.py", "BCP_CLICKHOUSE_DSN", "the dashboard's store"),
-    Setting("BCP_DASHBOARD_SPOOL", "dashboard/store.py", "",
-            "a spool directory the dashboard ingests itself"),
-    # -- storage tiering ----------------------------------------------------------------------------
-    Setting("BCP_TIERING_CONFIG", _TIER, "", "TOML file with a [tiering] section"),
-    Setting("BCP_TIERING_HOT", _TIER, "", "hot root (local dir, or hdfs://nn:8020/ckpt for HDFS mode)"),
-    Setting("BCP_TIERING_COLD", _TIER, "", "cold root (local mode only)"),
-    Setting("BCP_TIERING_COOL_AFTER", _TIER, "7d", "age at which a checkpoint is cooled"),
-    Setting("BCP_TIERING_KEEP_NEWEST", _TIER, "2", "newest N checkpoints of each run stay hot"),
-    Setting("BCP_TIERING_DELETE_AFTER", _TIER, "off", "retention: delete checkpoints older than this"),
-    Setting("BCP_TIERING_KEEP_EVERY", _TIER, "0", "retention keeps steps divisible by this"),
-    Setting("BCP_TIERING_INTERVAL", _TIER, "1h", "period of --loop"),
-    Setting("BCP_TIERING_COLD_POLICY", _TIER, "COLD", "HDFS storage policy of cooled checkpoints"),
-    Setting("BCP_TIERING_HDFS_CLI", "storage_tiering/hdfs.py", "hdfs", "the Hadoop command line (HDFS mode)"),
-)
-
-NAMES: frozenset[str] = frozenset(s.name for s in SETTINGS)
-
-
-def by_name(name: str) -> Setting:
-    for s in SETTINGS:
-        if s.name == name:
-            return s
-    raise KeyError(name)
+))

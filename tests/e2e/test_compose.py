@@ -3,12 +3,12 @@
 No Docker engine runs here: docker-compose 1.29 (``scripts/ensure_compose.sh``) validates and
 resolves the file, and the resolved services are checked: every service the stack needs is
 there with a healthcheck, and the project's services set only variables the code reads.
-The registry (``bytecheckpoint/settings.py``) is itself checked against the source, both ways.
+The settings registries (each package's ``settings`` module) are checked against the source by
+``tests/unit/test_settings_registry.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -21,11 +21,8 @@ from types import ModuleType
 import pytest
 import yaml
 
-from bytecheckpoint.settings import NAMES, SETTINGS
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPOSE = os.path.join(REPO, "docker-compose.yml")
-PACKAGES = ("bytecheckpoint", "telemetry", "storage_tiering", "dashboard")
 OWN_IMAGE = "bytecheckpoint:"
 # Third-party images are configured through their own variables (not the project's).
 THIRD_PARTY_ENV = {"apache/kafka": re.compile(r"^KAFKA_[A-Z_]+$"),
@@ -115,33 +112,6 @@ def _source(rel: str) -> str:
         return f.read()
 
 
-def test_every_registered_setting_is_read_where_the_registry_says():
-    from storage_tiering.config import TieringConfig
-
-    tiering_fields = {f.name for f in dataclasses.fields(TieringConfig)}
-    for s in SETTINGS:
-        text = _source(s.read_by)
-        if f'"{s.name}"' in text:
-            continue
-        # storage_tiering/config.py builds BCP_TIERING_<FIELD> from the dataclass's fields
-        field = s.name.removeprefix("BCP_TIERING_").lower()
-        assert s.read_by == "storage_tiering/config.py" and field in tiering_fields \
-            and 'f"BCP_TIERING_{name.upper()}"' in text, f"{s.name} is not read by {s.read_by}"
-
-
-def test_every_setting_in_the_source_is_registered():
-    found: set[str] = set()
-    for pkg in PACKAGES:
-        for d, _, files in os.walk(os.path.join(REPO, pkg)):
-            for n in files:
-                if n.endswith(".py") and n != "settings.py":
-                    with open(os.path.join(d, n)) as f:
-                        found |= set(re.findall(r"\bBCP_[A-Z0-9_]*[A-Z0-9]\b", f.read()))
-    found.discard("BCP_TIERING")  # the f-string prefix of the tiering fields
-    missing = found - NAMES
-    assert not missing, f"read in the source but not in bytecheckpoint/settings.py: {sorted(missing)}"
-
-
 def _docs_settings_hook() -> ModuleType:
     """``docs/hooks/settings_table.py``: the MkDocs hook that renders the settings reference."""
     path = os.path.join(REPO, "docs", "hooks", "settings_table.py")
@@ -150,6 +120,11 @@ def _docs_settings_hook() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Every package's settings, collected as the docs page collects them.
+SETTINGS = _docs_settings_hook().all_settings()
+NAMES = frozenset(s.name for s in SETTINGS)
 
 
 def test_the_docs_settings_reference_renders_every_setting_from_the_registry():
