@@ -1,0 +1,487 @@
+"""Cold loads against the disk's cold parallel-read limit, measured in the same run.
+
+    .venv/bin/python bench/load_vs_read_limit.py                          # 0.36 GB, ~2 min
+    .venv/bin/python bench/load_vs_read_limit.py --models 1.3gb,3.56gb --reps 3 --profile
+
+For each model (``--models``; the GPT + AdamW workloads of bench/train_loop_cost.py), FSDP2
+on 4 CPU processes (gloo) saves one checkpoint. Then, ``--reps`` times, with the page cache
+dropped before each measurement:
+  limit   rank 0 reads the checkpoint's data files (the bytes a load reads) with S parallel
+          sequential streams (each a contiguous span, 4 MiB calls as the engine makes):
+          S = the streams the engine uses (ranks x reader threads per rank), and a sweep of
+          1, 2, 4, 8, 16 whose best is the read limit
+  load    bcp.load into the same layout (4 ranks), and in 2 fresh processes resharded 4 -> 2
+and prints load GB/s and its fraction of both limits (medians). The cache is dropped with
+/proc/sys/vm/drop_caches where permitted (root), else with posix_fadvise(DONTNEED) on every
+file of the checkpoint; the output says which.
+
+``--profile`` adds one instrumented load per layout (not timed with the others): per rank,
+the phases, every read request (size, duration, concurrency over the host), checksum
+verification and how much of it overlapped reads, copies into targets, the exchange, and
+the Python time per box; printed and written as JSON (``--profile-json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
+
+MODELS = {
+    "small": GPTConfig(vocab_size=8003, context=32, dim=256, heads=4, layers=4, mlp_ratio=3),
+    "medium": GPTConfig(vocab_size=16003, context=32, dim=512, heads=8, layers=8, mlp_ratio=3),
+    "1.3gb": GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=4, mlp_ratio=3),
+    "3.56gb": GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=22, mlp_ratio=3),
+}
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+READ_CALL = 4 << 20  # bytes per preadv call, as the engine's local backend reads
+SWEEP = (1, 2, 4, 8, 16)
+METADATA_NAMES = {".metadata", "metadata", "COMMITTED", "latest"}
+
+
+# -- the disk --------------------------------------------------------------------------------
+
+
+def data_files(path: str) -> list[tuple[str, int]]:
+    """The checkpoint's storage files (what a load reads), largest first, with sizes."""
+    out = []
+    for d, _, names in os.walk(path):
+        for n in names:
+            full = os.path.join(d, n)
+            if os.path.getsize(full) > 64 << 10:  # metadata and markers are small
+                out.append((full, os.path.getsize(full)))
+    return sorted(out, key=lambda f: -f[1])
+
+
+def drop_cache(files: list[str]) -> str:
+    """Drop the page cache; returns how."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise"
+
+
+def spans(files: list[tuple[str, int]], streams: int) -> list[list[tuple[str, int, int]]]:
+    """The files' bytes, end to end, cut into ``streams`` contiguous spans of equal size;
+    each span a list of (file, offset, length)."""
+    total = sum(n for _, n in files)
+    share = -(-total // streams)
+    out: list[list[tuple[str, int, int]]] = [[] for _ in range(streams)]
+    pos = 0
+    for path, size in files:
+        off = 0
+        while off < size:
+            k = min(pos // share, streams - 1)
+            n = min(size - off, (k + 1) * share - pos) if k < streams - 1 else size - off
+            out[k].append((path, off, n))
+            off, pos = off + n, pos + n
+    return out
+
+
+def read_span(span: list[tuple[str, int, int]]) -> int:
+    buf = memoryview(bytearray(READ_CALL))
+    total = 0
+    for path, off, n in span:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_SEQUENTIAL)
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [buf[: min(READ_CALL, n - done)]], off + done)
+                if got == 0:
+                    break
+                done += got
+            total += done
+        finally:
+            os.close(fd)
+    return total
+
+
+def read_limit(files: list[tuple[str, int]], streams: int) -> tuple[float, str]:
+    """Cold parallel sequential read of ``files`` with ``streams`` threads: GB/s, and how
+    the cache was dropped."""
+    how = drop_cache([p for p, _ in files])
+    parts = spans(files, streams)
+    t = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        total = sum(pool.map(read_span, parts))
+    return total / (time.perf_counter() - t) / 1e9, how
+
+
+# -- the processes ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def sum_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def gather(x: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+def status_kb(name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def release_memory() -> None:
+    """Release staging buffers and the C heap's free pages: memory is measured from here."""
+    from bytecheckpoint.engine import staging
+
+    release = getattr(staging, "release_pools", None)
+    if release is not None:
+        release()
+    else:
+        staging._POOLS.clear()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def make_state(cfg: GPTConfig, seed: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs, targets = batch(cfg, seed, dist.get_rank(), size=1)
+    loss_fn(model, inputs[:, :8], targets[:, :8]).backward()  # AdamW state exists
+    optim.step()
+    optim.zero_grad()
+    return {"model": model, "optimizer": optim}
+
+
+def cold_load(state: dict[str, Any], path: str, files: list[tuple[str, int]]) -> dict[str, float]:
+    import bytecheckpoint as bcp
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        drop_cache([p for p, _ in files])
+    release_memory()
+    rss0 = status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5\n")
+    dist.barrier()
+    t = time.perf_counter()
+    result = bcp.load(path, state, framework="fsdp2")
+    elapsed = max_over_ranks(time.perf_counter() - t)
+    peak = max_over_ranks(status_kb("VmHWM") - rss0)
+    return {"s": elapsed, "bytes": sum_over_ranks(result.bytes_read), "mem_kb": peak}
+
+
+def limits(files: list[tuple[str, int]], engine_streams: int, sweep: bool) -> dict[str, Any]:
+    """Rank 0 reads; the others wait (so nothing else of ours touches the disk)."""
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        counts = sorted({engine_streams, *SWEEP}) if sweep else [engine_streams]
+        for s in counts:
+            out[s], out["how"] = read_limit(files, s)
+    dist.barrier()
+    return out
+
+
+def worker(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int, save: bool,
+           profile: bool, out_file: str) -> None:
+    import bytecheckpoint as bcp
+    from bytecheckpoint.engine.load import share_of_host
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    state = make_state(cfg, seed=0 if save else 1)
+    if save:
+        bcp.save(path, state, framework="fsdp2")
+    dist.barrier()
+    files = data_files(path)
+    engine_streams = world * share_of_host(world)
+    res: dict[str, Any] = {"limits": [], "loads": [], "engine_streams": engine_streams,
+                           "bytes": sum(n for _, n in files), "files": len(files)}
+    for rep in range(reps):
+        # the order alternates: limit first, then load; then load first
+        first_load = rep % 2 == 1
+        if first_load:
+            res["loads"].append(cold_load(state, path, files))
+        res["limits"].append(limits(files, engine_streams, sweep=True))
+        if not first_load:
+            res["loads"].append(cold_load(state, path, files))
+        if rank == 0:
+            print(f"  world {world}, rep {rep + 1}/{reps}: load {res['loads'][-1]['s']:.2f} s", flush=True)
+    if profile:
+        res["profile"] = profiled_load(state, path, files)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# -- profile of one load ---------------------------------------------------------------------
+
+
+class Recorder:
+    """Wraps functions with timers that record (start, end, bytes, thread) per call."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple[float, float, int, int]]] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._lock = threading.Lock()
+
+    def wrap(self, owner: Any, name: str, label: str, size: Any = None) -> None:
+        original = getattr(owner, name)
+        calls = self.calls.setdefault(label, [])
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                n = size(args, kwargs) if size is not None else 0
+                with self._lock:
+                    calls.append((t, time.perf_counter(), n, threading.get_ident()))
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, original))
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def covered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Seconds of ``intervals`` that lie inside the union ``cover``."""
+    total = 0.0
+    for a, b in intervals:
+        for c, d in cover:
+            total += max(0.0, min(b, d) - max(a, c))
+    return total
+
+
+def concurrency(intervals: list[tuple[float, float]]) -> dict[str, float]:
+    """Time-weighted concurrency of intervals while at least one runs: mean and max."""
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    level, last, busy, weighted, peak = 0, None, 0.0, 0.0, 0
+    for t, d in events:
+        if last is not None and level > 0:
+            busy += t - last
+            weighted += level * (t - last)
+        level += d
+        peak = max(peak, level)
+        last = t
+    return {"mean": weighted / busy if busy else 0.0, "max": float(peak), "busy_s": busy}
+
+
+def profiled_load(state: dict[str, Any], path: str, files: list[tuple[str, int]]) -> dict[str, Any]:
+    import cProfile
+    import io
+    import pstats
+
+    import bytecheckpoint as bcp
+    from bytecheckpoint.engine import load_pipeline
+
+    rec = Recorder()
+    rec.wrap(os, "preadv", "read", lambda a, k: sum(len(b) for b in a[1]))
+    rec.wrap(load_pipeline, "bad_chunks", "verify", lambda a, k: len(a[0]))
+    rec.wrap(load_pipeline, "copy_out", "copy", lambda a, k: a[0].hi - a[0].lo if a[0].box else 0)
+    rec.wrap(load_pipeline.LoadPipeline, "_exchange", "exchange")
+    rec.wrap(load_pipeline.LoadPipeline, "_agree", "agree")
+    rec.wrap(load_pipeline.LoadPipeline, "_allocate", "allocate")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        drop_cache([p for p, _ in files])
+    dist.barrier()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        result = bcp.load(path, state, framework="fsdp2")
+    finally:
+        prof.disable()
+        rec.restore()
+    t1 = time.perf_counter()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    reads = rec.calls["read"]
+    read_union = union([(a, b) for a, b, _, _ in reads])
+    verify = [(a, b) for a, b, _, _ in rec.calls["verify"]]
+    sizes = sorted(n for _, _, n, _ in reads)
+    mine = {
+        "wall_s": t1 - t0,
+        "phases": result.phases,
+        "boxes": len(getattr(result, "boxes", [])) or None,
+        "read": {"calls": len(reads), "bytes": sum(sizes), "busy_s": sum(b - a for a, b in read_union),
+                 "threads": len({t for *_, t in reads}),
+                 "size_median": statistics.median(sizes) if sizes else 0,
+                 "size_min": sizes[0] if sizes else 0, "size_max": sizes[-1] if sizes else 0},
+        "intervals": [(a, b) for a, b, _, _ in reads],
+        "main_thread_top": text.getvalue(),
+    }
+    for label in ("verify", "copy", "exchange", "agree", "allocate"):
+        calls = rec.calls[label]
+        mine[label] = {"calls": len(calls), "s": sum(b - a for a, b, _, _ in calls),
+                       "bytes": sum(n for _, _, n, _ in calls)}
+    mine["verify"]["overlapped_reads_s"] = covered(verify, read_union)
+    everyone = gather(mine)
+    host_reads = [iv for r in everyone for iv in r["intervals"]]
+    for r in everyone:
+        del r["intervals"]
+    return {"ranks": everyone, "host_read_concurrency": concurrency(host_reads),
+            "host_read_busy_s": sum(b - a for a, b in union(host_reads))}
+
+
+# -- driver ----------------------------------------------------------------------------------
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def report_layout(name: str, res: dict[str, Any]) -> list[str]:
+    gb = res["bytes"] / 1e9
+    loads = [x["s"] for x in res["loads"]]
+    load_gbps = med([x["bytes"] / x["s"] / 1e9 for x in res["loads"]])
+    counts = sorted({int(k) for lim in res["limits"] for k in lim if k != "how"})
+    per_s = {s: med([lim[str(s)] if str(s) in lim else lim[s] for lim in res["limits"]]) for s in counts}
+    best_s = max(per_s, key=lambda s: per_s[s])
+    eng = res["engine_streams"]
+    lines = [f"  {name}: {gb:.2f} GB in {res['files']} files; cold load median {med(loads):.2f} s "
+             f"(of {len(loads)}) = {load_gbps:.2f} GB/s; peak extra host memory per rank "
+             f"{med([x['mem_kb'] for x in res['loads']]) / 1024:.0f} MB",
+             "    read limit, GB/s by streams: " + ", ".join(f"{s}: {v:.2f}" for s, v in per_s.items()),
+             f"    load / limit with the engine's {eng} streams: {load_gbps / per_s[eng]:.0%}; "
+             f"/ best ({best_s} streams): {load_gbps / per_s[best_s]:.0%}"]
+    return lines
+
+
+def report_profile(name: str, prof: dict[str, Any]) -> list[str]:
+    c = prof["host_read_concurrency"]
+    lines = [f"  profile, {name}: host read concurrency mean {c['mean']:.1f}, max {c['max']:.0f}; disk "
+             f"busy (some read in flight) {prof['host_read_busy_s']:.2f} s"]
+    for rank, r in enumerate(prof["ranks"]):
+        rd = r["read"]
+        lines.append(
+            f"    rank {rank}: wall {r['wall_s']:.2f} s, phases "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+            + f"; reads {rd['calls']} calls on {rd['threads']} threads, median "
+            f"{rd['size_median'] / 2**20:.1f} MiB ({rd['size_min'] / 2**20:.2f}-"
+            f"{rd['size_max'] / 2**20:.1f}), busy {rd['busy_s']:.2f} s; "
+            f"verify {r['verify']['s']:.2f} s ({r['verify']['overlapped_reads_s']:.2f} s while reads ran); "
+            f"copy {r['copy']['s']:.2f} s ({r['copy']['calls']} boxes); exchange {r['exchange']['s']:.2f} s; "
+            f"agree {r['agree']['s']:.2f} s; allocate {r['allocate']['s']:.2f} s")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="medium", help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="one instrumented load per layout")
+    parser.add_argument("--profile-json", default=None)
+    parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "bcp-bench-read"))
+    args = parser.parse_args()
+    root = os.path.abspath(args.dir)
+    t = time.perf_counter()
+    print(f"load average {open('/proc/loadavg').read().strip()}; the machine is shared", flush=True)
+    everything: dict[str, Any] = {}
+    for name in args.models.split(","):
+        cfg = MODELS[name]
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        path = f"{root}/ckpt"
+        runs = {}
+        for world, save in ((4, True), (2, False)):
+            out = f"{root}/w{world}.json"
+            mp.start_processes(worker, nprocs=world, start_method="spawn",
+                               args=(world, free_port(), cfg, path, args.reps, save, args.profile, out))
+            runs[f"4->{world}"] = json.load(open(out))
+        everything[name] = runs
+        how = runs["4->4"]["limits"][0]["how"]
+        print(f"\n{name} (page cache dropped by {how}; 4 ranks saved it):")
+        for layout, res in runs.items():
+            print("\n".join(report_layout(layout, res)))
+        if args.profile:
+            for layout, res in runs.items():
+                print("\n".join(report_profile(layout, res["profile"])))
+                print("    main thread of rank 0, top functions by own time:")
+                print("\n".join("      " + line for line in
+                                res["profile"]["ranks"][0]["main_thread_top"].splitlines()[6:22]))
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\ntotal {time.perf_counter() - t:.0f}s; load average after "
+          f"{open('/proc/loadavg').read().strip()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(everything, f)
+    if args.profile_json:
+        with open(args.profile_json, "w") as f:
+            json.dump({n: {k: v.get("profile") for k, v in r.items()} for n, r in everything.items()}, f)
+
+
+if __name__ == "__main__":
+    main()
