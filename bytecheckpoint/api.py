@@ -15,6 +15,7 @@ from typing import Any
 from .engine.async_save import SaveHandle, wait_pending
 from .engine.load import LoadResult
 from .engine.load import load as _load
+from .engine.messages import SaveOptions
 from .engine.save import SaveResult
 from .engine.save import save as _save
 from .errors import InvalidArgumentError
@@ -92,10 +93,10 @@ def save(
     A save whose state structure is unchanged since this process group's last save reuses
     that save's plan and sends no planning messages (``SaveResult.cached_plan``).
     """
-    step = check_step(step)
-    return _save(path, state, framework=framework, step=step, user_metadata=user_metadata,
-                 process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes,
-                 fqn_map=fqn_map, async_save=async_save, files_per=files_per, host_size=host_size)
+    opts = SaveOptions(framework=framework, step=check_step(step), user_metadata=dict(user_metadata or {}),
+                       process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes,
+                       fqn_map=fqn_map, async_save=async_save, files_per=files_per, host_size=host_size)
+    return _save(path, state, opts)
 
 
 def load(

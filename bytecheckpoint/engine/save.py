@@ -49,7 +49,6 @@ from ..commit.protocol import data_file_tag, prepare_target
 from ..errors import CheckpointExistsError, PlanningError, RankFailedError, StagingError, StorageError
 from ..format import codec
 from ..format.boxes import Box
-from ..format.checksums import DEFAULT_CHUNK_BYTES
 from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILE
 from ..planners import LocalShard, get_planner
@@ -65,6 +64,7 @@ from ..storage import CommitMode, Storage, open_storage
 from . import host_files
 from .async_save import SaveHandle, set_pending, wait_pending
 from .host_files import HostLayout
+from .messages import Assign, Assignment, Committed, PlanRequest, Replan, SaveOptions, Totals, Written
 from .staging import Stager
 from .writer import Entry, rank_entries, tensor_bytes, write_rank
 
@@ -85,15 +85,6 @@ class SaveResult:
     cached_plan: bool = False  # the plan cache served this save (no planning messages)
 
 
-@dataclass(frozen=True)
-class _Assignment:
-    staging: str
-    save_id: str
-    items: list[WriteItem]
-    shared_keys: list[str]
-    plan_id: str = ""  # the save that made the plan (the cache's key for "same plan")
-
-
 @dataclass
 class _Job:
     """One save on this rank: settings, what was collected, and what the plan decided."""
@@ -102,11 +93,7 @@ class _Job:
     storage: Storage
     path: str
     comm: Communicator
-    step: int | None
-    user_metadata: dict[str, Any]
-    overwrite: bool
-    chunk_bytes: int
-    async_save: bool
+    opts: SaveOptions
     t0: float
     host: HostLayout | None = None  # files_per="host": this rank's host
     phases: dict[str, float] = field(default_factory=dict)
@@ -174,37 +161,37 @@ def _plan_globally(job: _Job, plans: list[LocalSavePlan]) -> list[Outcome]:
     try:
         # Checks the target, clears crashed saves' leftovers, and (on object stores) writes the
         # owner record that keeps a half-written checkpoint from ever looking committed.
-        staging = begin_save(job.storage, job.path, job.overwrite, save_id, lock=lock)
+        staging = begin_save(job.storage, job.path, job.opts.overwrite, save_id, lock=lock)
     except BaseException:
         lock.release()
         raise
     job.lock = lock
-    return [Outcome(value=("assign", _Assignment(staging, save_id, items, shared, save_id)))
+    return [Outcome(value=Assign(Assignment(staging, save_id, items, shared, save_id)))
             for items, shared in zip(job.global_plan.assignments, job.global_plan.shared_assignments)]
 
 
-def _commit(job: _Job, staging: str, save_id: str, writes: list[RankWrite], template: Any) -> tuple:
+def _commit(job: _Job, staging: str, save_id: str, writes: list[RankWrite], template: Any) -> Totals:
     meta = build_metadata(
         template, writes, framework=job.framework, world_size=job.comm.world_size, layout=job.layout,
-        step=job.step, user_metadata=job.user_metadata, chunk_bytes=job.chunk_bytes,
+        step=job.opts.step, user_metadata=job.opts.user_metadata, chunk_bytes=job.opts.chunk_bytes,
     )
     raw = meta.to_bytes()
     storage = job.storage
     storage.write_bytes(storage.join(staging, METADATA_FILE), raw)
-    commit(storage, staging, job.path, job.overwrite, save_id)
+    commit(storage, staging, job.path, job.opts.overwrite, save_id)
     try:
-        update_latest(storage, job.path, job.step, save_id)
+        update_latest(storage, job.path, job.opts.step, save_id)
     except Exception as exc:  # committed all the same: never undone because of the pointer
         raise StorageError(
             f"{storage.url(job.path)} was committed, but the latest pointer next to it could not "
             f"be moved to it ({type(exc).__name__}: {exc}); load it by its path, or save again"
         ) from exc
-    return meta.total_bytes, len(raw), len(meta.files)
+    return Totals(meta.total_bytes, len(raw), len(meta.files))
 
 
 def _decide(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
     """The coordinator's answer to the first round, one outcome per rank."""
-    planning = all(o.error is None and o.value[0] == "plan" for o in gathered)
+    planning = all(o.error is None and isinstance(o.value, PlanRequest) for o in gathered)
     try:
         return _answer(job, gathered)
     finally:
@@ -214,36 +201,36 @@ def _decide(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
 
 def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
     world = job.comm.world_size
-    written = [o.value for o in gathered if o.error is None and o.value[0] == "written"]
+    written: list[Written] = [o.value for o in gathered if o.error is None and isinstance(o.value, Written)]
     try:
         failed = summarize_failures(gathered)
         if failed is not None:
-            for v in written:  # quietly: the ranks' failure is the error to report
-                abandon(job.storage, v[3], job.path, v[2])
+            for w in written:  # quietly: the ranks' failure is the error to report
+                abandon(job.storage, w.staging, job.path, w.save_id)
             return [failed] * world
-        kinds = {o.value[0] for o in gathered}
-        if kinds == {"plan"}:
-            return _plan_globally(job, [o.value[1] for o in gathered])
+        requests: list[PlanRequest | Written] = [o.value for o in gathered]
+        if all(isinstance(r, PlanRequest) for r in requests):
+            return _plan_globally(job, [r.local for r in requests])
         entry = plan_cache.get(job.comm.global_ranks)
-        ids = {(v[1], v[2]) for v in written}
-        if kinds == {"written"} and entry is not None and ids == {(entry.plan_id, entry.save_id())}:
-            staging = written[0][3]
-            check_shared_objects([v[5] for v in written])
-            result = _commit(job, staging, entry.save_id(), [v[4] for v in written], entry.template)
-            return [Outcome(value=("committed", result))] * world
+        ids = {(w.plan_id, w.save_id) for w in written}
+        if len(written) == world and entry is not None and ids == {(entry.plan_id, entry.save_id())}:
+            check_shared_objects([w.shared for w in written])
+            totals = _commit(job, written[0].staging, entry.save_id(), [w.write for w in written],
+                             entry.template)
+            return [Outcome(value=Committed(totals))] * world
         # Some ranks' caches hit and others' did not: the structure changed on some ranks.
-        for v in written:
-            abandon(job.storage, v[3], job.path, v[2])
-        if any(o.value[-1] for o in gathered):  # async: the staged copies follow the old plan
+        for w in written:
+            abandon(job.storage, w.staging, job.path, w.save_id)
+        if any(r.async_save for r in requests):  # async: the staged copies follow the old plan
             raise PlanningError(
                 "the state structure changed on some ranks but not on others since the last "
                 "save, so the cached save plan no longer fits and this async save was not "
                 "committed; save again (the next save plans from scratch)"
             )
-        return [Outcome(value=("replan", None))] * world
+        return [Outcome(value=Replan())] * world
     except Exception as exc:
-        for v in written:
-            abandon(job.storage, v[3], job.path, v[2])
+        for w in written:
+            abandon(job.storage, w.staging, job.path, w.save_id)
         return [_coordinator_failure(exc)] * world
 
 
@@ -268,7 +255,7 @@ def _raise_if_failed(outcome: Outcome, local_error: BaseException | None, what: 
     raise RankFailedError(f"{what} {outcome.error}", failures)
 
 
-def _first_round(job: _Job, mine: Outcome, local_error: BaseException | None) -> tuple:
+def _first_round(job: _Job, mine: Outcome, local_error: BaseException | None) -> Assign | Committed | Replan:
     comm = job.comm
     gathered = comm.gather(mine)
     per_rank = _decide(job, gathered) if comm.is_coordinator else None
@@ -278,16 +265,19 @@ def _first_round(job: _Job, mine: Outcome, local_error: BaseException | None) ->
 
 
 def _plan_outcome(job: _Job) -> Outcome:
-    return Outcome(value=("plan", job.local, job.async_save))
+    assert job.local is not None
+    return Outcome(value=PlanRequest(job.local, job.opts.async_save))
 
 
-def _plan(job: _Job, local_error: BaseException | None) -> _Assignment:
+def _plan(job: _Job, local_error: BaseException | None) -> Assignment:
     """Plan without the cache (every rank does, in the same round)."""
     mine = Outcome.failure(local_error) if local_error is not None else _plan_outcome(job)
     decision = _first_round(job, mine, local_error)
-    while decision[0] == "replan":
+    while isinstance(decision, Replan):
         decision = _first_round(job, _plan_outcome(job), None)
-    return decision[1]
+    if not isinstance(decision, Assign):
+        raise PlanningError(f"the coordinator answered a plan request with {type(decision).__name__}")
+    return decision.assignment
 
 
 # -- writing and committing ----------------------------------------------------------------
@@ -306,7 +296,7 @@ class _Sources:
     and raised inside this rank's write, so it reaches every rank through the next collective
     instead of leaving the others waiting in it."""
 
-    def __init__(self, job: _Job, assignment: _Assignment, stage: bool) -> None:
+    def __init__(self, job: _Job, assignment: Assignment, stage: bool) -> None:
         views = [_source_view(item, job.shards[item.key]) for item in assignment.items]
         self.stager: Stager | None = None
         self.error: StagingError | None = None
@@ -354,14 +344,14 @@ class _Sources:
             self.thread = None
 
 
-def _prepare(job: _Job, assignment: _Assignment) -> None:
+def _prepare(job: _Job, assignment: Assignment) -> None:
     """A cached plan: no coordinator created the staging directory this time. The coordinator
     takes the path's save lock and checks the target as ``begin_save`` would."""
     storage = job.storage
     if job.comm.is_coordinator:
         job.lock = save_lock.acquire(storage, job.path, assignment.save_id)
-        prepare_target(storage, job.path, job.overwrite, job.lock)
-    elif storage.exists(job.path) and not job.overwrite:
+        prepare_target(storage, job.path, job.opts.overwrite, job.lock)
+    elif storage.exists(job.path) and not job.opts.overwrite:
         raise CheckpointExistsError(
             f"{storage.url(job.path)} already holds a checkpoint; choose a new path or "
             "pass overwrite=True"
@@ -369,12 +359,12 @@ def _prepare(job: _Job, assignment: _Assignment) -> None:
     storage.makedirs(assignment.staging)
 
 
-def _objects(job: _Job, assignment: _Assignment) -> dict[str, bytes]:
+def _objects(job: _Job, assignment: Assignment) -> dict[str, bytes]:
     mine = {f"shared:{k}" for k in assignment.shared_keys}
     return {n: b for n, b in job.blobs.items() if n.startswith("rank:") or n in mine}
 
 
-def _write(job: _Job, assignment: _Assignment, sources: _Sources, makedirs: bool
+def _write(job: _Job, assignment: Assignment, sources: _Sources, makedirs: bool
            ) -> tuple[RankWrite | None, BaseException | None]:
     t = time.perf_counter()
     try:
@@ -385,8 +375,8 @@ def _write(job: _Job, assignment: _Assignment, sources: _Sources, makedirs: bool
             _prepare(job, assignment)
         assert job.flat is not None
         written = write_rank(job.storage, assignment.staging, assignment.items, sources.fns, job.flat,
-                             _objects(job, assignment), job.comm.rank, job.chunk_bytes,
-                             file_tag=data_file_tag(job.storage, job.overwrite, assignment.save_id))
+                             _objects(job, assignment), job.comm.rank, job.opts.chunk_bytes,
+                             file_tag=data_file_tag(job.storage, job.opts.overwrite, assignment.save_id))
         return written, None
     except Exception as exc:
         return None, exc
@@ -394,7 +384,7 @@ def _write(job: _Job, assignment: _Assignment, sources: _Sources, makedirs: bool
         job.phases["write"] = job.phases.get("write", 0.0) + time.perf_counter() - t
 
 
-def _write_host(job: _Job, host: HostLayout, assignment: _Assignment, sources: _Sources,
+def _write_host(job: _Job, host: HostLayout, assignment: Assignment, sources: _Sources,
                 makedirs: bool) -> RankWrite:
     """files_per="host": a failure before the exchange still goes to the host's exchange, so
     the leader and the members always meet (see ``host_files``)."""
@@ -410,13 +400,13 @@ def _write_host(job: _Job, host: HostLayout, assignment: _Assignment, sources: _
                              job.comm.rank, tag_rank_objects=True)
     except Exception as exc:
         error = exc
-    tag = data_file_tag(job.storage, job.overwrite, assignment.save_id)
+    tag = data_file_tag(job.storage, job.opts.overwrite, assignment.save_id)
     return host_files.write_host(job.comm, host, job.storage, assignment.staging, pairs, error,
-                                 job.chunk_bytes, tag)
+                                 job.opts.chunk_bytes, tag)
 
 
-def _commit_round(job: _Job, assignment: _Assignment, written: RankWrite | None,
-                  local_error: BaseException | None) -> tuple:
+def _commit_round(job: _Job, assignment: Assignment, written: RankWrite | None,
+                  local_error: BaseException | None) -> Totals:
     comm = job.comm
     t = time.perf_counter()
     mine = Outcome.failure(local_error) if local_error is not None else Outcome(value=written)
@@ -450,28 +440,29 @@ def _commit_round(job: _Job, assignment: _Assignment, written: RankWrite | None,
     return final.value
 
 
-def _finish(job: _Job, assignment: _Assignment, hit: bool, sources: _Sources) -> SaveResult:
+def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> SaveResult:
     """Steps 4-5 (on the background thread for an async save)."""
     comm = job.comm
     try:
-        with span("save.background" if job.async_save else "save.finish", path=job.url, step=job.step):
+        name = "save.background" if job.opts.async_save else "save.finish"
+        with span(name, path=job.url, step=job.opts.step):
             while True:
                 written, error = _write(job, assignment, sources, makedirs=hit)
                 if not hit:
                     totals = _commit_round(job, assignment, written, error)
                     break
                 t = time.perf_counter()
-                mine = Outcome.failure(error) if error is not None else Outcome(
-                    value=("written", assignment.plan_id, assignment.save_id, assignment.staging,
-                           written, job.local.shared if job.local else {}, job.async_save))
+                mine = Outcome.failure(error) if error is not None else Outcome(value=Written(
+                    assignment.plan_id, assignment.save_id, assignment.staging, written,
+                    job.local.shared if job.local else {}, job.opts.async_save))
                 with span("save.commit", cached=True):
                     decision = _first_round(job, mine, error)
                 job.phases["commit"] = time.perf_counter() - t
-                if decision[0] == "committed":
+                if isinstance(decision, Committed):
                     entry = plan_cache.get(comm.global_ranks)
                     assert entry is not None
                     entry.seq += 1
-                    totals = decision[1]
+                    totals = decision.totals
                     break
                 # "replan" (synchronous saves only): the tensors have not changed meanwhile.
                 hit = False
@@ -485,52 +476,33 @@ def _finish(job: _Job, assignment: _Assignment, hit: bool, sources: _Sources) ->
     finally:
         sources.join()  # a sync save returns only when no copy is landing in the arena
         job.release()  # whatever happened, this save no longer holds its path
-    total_bytes, metadata_bytes, n_files = totals
     mine_bytes = sum(f.size for f in written.files) if written else 0
-    return SaveResult(job.url, job.step, job.framework, mine_bytes, total_bytes, metadata_bytes, n_files,
-                      time.perf_counter() - job.t0, job.phases, hit)
+    return SaveResult(job.url, job.opts.step, job.framework, mine_bytes, totals.total_bytes,
+                      totals.metadata_bytes, totals.files, time.perf_counter() - job.t0, job.phases, hit)
 
 
-def save(
-    url: str,
-    state: dict[str, Any],
-    *,
-    framework: str | None = None,
-    step: int | None = None,
-    user_metadata: dict[str, Any] | None = None,
-    process_group: Any = None,
-    overwrite: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    fqn_map: Callable[[str], str] | None = None,
-    async_save: bool = False,
-    files_per: str | None = None,
-    host_size: int | None = None,
-) -> SaveResult | SaveHandle:
+def save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:
+    """Save ``state`` to ``url`` as :func:`bytecheckpoint.save` documents (``opts``: its options)."""
     wait_pending()  # one save at a time: the arena and the save group are never shared
     with gc_paused():  # the foreground part: all of a synchronous save, an async one's snapshot
-        return _save(url, state, framework, step, user_metadata, process_group, overwrite,
-                     chunk_bytes, fqn_map, async_save, files_per, host_size)
+        return _save(url, state, opts)
 
 
-def _save(url: str, state: dict[str, Any], framework: str | None, step: int | None,
-          user_metadata: dict[str, Any] | None, process_group: Any, overwrite: bool,
-          chunk_bytes: int, fqn_map: Callable[[str], str] | None, async_save: bool,
-          files_per: str | None, host_size: int | None) -> SaveResult | SaveHandle:
+def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:
     t0 = time.perf_counter()
-    comm = Communicator(process_group, dedicated=True)
+    comm = Communicator(opts.process_group, dedicated=True)
     storage, path = open_storage(url)
-    if step is not None:
-        set_context(step=step)
-    job = _Job(url, storage, path, comm, step, dict(user_metadata or {}), overwrite, chunk_bytes,
-               async_save, t0)
-    with span("save", path=url, step=step, async_save=async_save) as total:
+    if opts.step is not None:
+        set_context(step=opts.step)
+    job = _Job(url, storage, path, comm, opts, t0)
+    with span("save", path=url, step=opts.step, async_save=opts.async_save) as total:
         t = time.perf_counter()
         local_error: BaseException | None = None
         with span("save.collect"):
             try:
-                job.host = host_files.resolve(files_per, host_size, comm.rank, comm.world_size)
+                job.host = host_files.resolve(opts.files_per, opts.host_size, comm.rank, comm.world_size)
                 split_checkpoint_path(path)
-                _collect(job, state, framework, fqn_map)
+                _collect(job, state, opts.framework, opts.fqn_map)
             except Exception as exc:
                 local_error = exc
         job.phases["collect"] = time.perf_counter() - t
@@ -540,7 +512,7 @@ def _save(url: str, state: dict[str, Any], framework: str | None, step: int | No
                 job.key = structure_key(job.local, job.boxes_digest, framework=job.framework,
                                         layout=job.layout,
                                         kinds=job.flat.kinds, global_ranks=comm.global_ranks,
-                                        chunk_bytes=chunk_bytes,
+                                        chunk_bytes=opts.chunk_bytes,
                                         files="rank" if job.host is None else f"host{job.host.size}")
             entry = plan_cache.get(comm.global_ranks)
             # Cached plans write before any coordinator step, so they need a store with an
@@ -554,7 +526,7 @@ def _save(url: str, state: dict[str, Any], framework: str | None, step: int | No
             if hit:
                 assert entry is not None
                 save_id = entry.save_id()
-                assignment = _Assignment(staging_path(path, save_id), save_id, entry.items,
+                assignment = Assignment(staging_path(path, save_id), save_id, entry.items,
                                          entry.shared_keys, entry.plan_id)
             else:
                 plan_cache.drop(comm.global_ranks)
@@ -562,14 +534,14 @@ def _save(url: str, state: dict[str, Any], framework: str | None, step: int | No
         job.phases["plan"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        sources = _Sources(job, assignment, stage=async_save)
-        if not async_save:
+        sources = _Sources(job, assignment, stage=opts.async_save)
+        if not opts.async_save:
             sources.stage_in_background()
             result = _finish(job, assignment, hit, sources)
             total.set(bytes=result.bytes_written, framework=job.framework, cached_plan=hit)
             return result
 
-        handle = SaveHandle(url, step)
+        handle = SaveHandle(url, opts.step)
         stager = sources.stager
         device = stager.device if stager is not None else None
         # A D2H copy is DMA: the writer may start on the first pieces while the rest are
