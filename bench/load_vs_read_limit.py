@@ -342,9 +342,17 @@ def profiled_load(state: dict[str, Any], path: str, files: list[tuple[str, int]]
     import pstats
 
     import bytecheckpoint as bcp
+    from bytecheckpoint.engine import load as load_mod
     from bytecheckpoint.engine import load_pipeline
+    from bytecheckpoint.runtime.comm import Communicator
 
     rec = Recorder()
+    plan_steps = ("_open_checkpoint", "flatten_state", "get_planner", "check_coverage", "check_file_sizes",
+                  "_exchange_device", "_check_keys", "plan_reads", "_check_unchanged")
+    for name in plan_steps:  # the planning phase, step by step
+        if hasattr(load_mod, name):
+            rec.wrap(load_mod, name, name)
+    rec.wrap(Communicator, "all_gather", "all_gather")
     rec.wrap(os, "preadv", "read", lambda a, k: sum(len(b) for b in a[1]))
     rec.wrap(load_pipeline, "bad_chunks", "verify", lambda a, k: len(a[0]))
     rec.wrap(load_pipeline, "copy_out", "copy", lambda a, k: a[0].hi - a[0].lo if a[0].box else 0)
@@ -381,6 +389,8 @@ def profiled_load(state: dict[str, Any], path: str, files: list[tuple[str, int]]
         "intervals": [(a, b) for a, b, _, _ in reads],
         "main_thread_top": text.getvalue(),
     }
+    mine["plan_steps"] = {k: sum(b - a for a, b, _, _ in rec.calls.get(k, [])) for k in
+                          (*plan_steps, "all_gather")}
     for label in ("verify", "copy", "exchange", "agree", "allocate"):
         calls = rec.calls[label]
         mine[label] = {"calls": len(calls), "s": sum(b - a for a, b, _, _ in calls),
@@ -432,7 +442,8 @@ def report_profile(name: str, prof: dict[str, Any]) -> list[str]:
             f"{rd['size_max'] / 2**20:.1f}), busy {rd['busy_s']:.2f} s; "
             f"verify {r['verify']['s']:.2f} s ({r['verify']['overlapped_reads_s']:.2f} s while reads ran); "
             f"copy {r['copy']['s']:.2f} s ({r['copy']['calls']} boxes); exchange {r['exchange']['s']:.2f} s; "
-            f"agree {r['agree']['s']:.2f} s; allocate {r['allocate']['s']:.2f} s")
+            f"agree {r['agree']['s']:.2f} s; allocate {r['allocate']['s']:.2f} s; planning steps: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["plan_steps"].items() if v))
     return lines
 
 
