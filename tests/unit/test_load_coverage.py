@@ -102,14 +102,17 @@ def test_a_good_checkpoint_still_fills_every_element(ckpt):
     assert torch.equal(torch.cat([s.data for s in state["grid"]["w"]]), GRID)
 
 
-def test_format_1_checkpoints_of_the_previous_release_still_load(tmp_path):
-    """``tests/fixtures/format_v1`` was written by ``tests/support/make_format_fixture.py`` at the
-    release before metadata checksums; it loads bit-exactly and verifies clean."""
-    src = os.path.join(FIXTURES, "format_v1")
-    root = str(tmp_path / "format_v1")
+@pytest.mark.parametrize("fixture, checksummed", [("format_v1", False), ("format_v2", True)])
+def test_checkpoints_of_earlier_releases_still_load(tmp_path, fixture, checksummed):
+    """Fixtures written by ``tests/support/make_format_fixture.py``: ``format_v1`` at 9cf57f0,
+    the release before metadata checksums; ``format_v2`` at b1aed9c, the last commit before the
+    package moved into layers (``tests/make_format_fixture.py`` then). Each loads bit-exactly
+    and verifies clean."""
+    src = os.path.join(FIXTURES, fixture)
+    root = str(tmp_path / fixture)
     shutil.copytree(src, root)
     with open(os.path.join(root, "ckpt", "metadata.msgpack"), "rb") as f:
-        assert not f.read(8).startswith(b"BCPMETA")  # really the old format
+        assert f.read(8).startswith(b"BCPMETA") == checksummed  # really that format
     model, optim, _ = build()
     with torch.no_grad():
         for p in model.parameters():
