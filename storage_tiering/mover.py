@@ -32,22 +32,14 @@ from dataclasses import dataclass
 
 from bytecheckpoint.commit.leases import is_being_read, is_pinned
 from bytecheckpoint.format.metadata import CheckpointMetadata
-from bytecheckpoint.manage.catalog import (
-    CheckpointInfo,
-    cold_references,
-    cold_target,
-    describe,
-    inside,
-    is_cold_link,
-    read_meta,
-    untouchable_reason,
-)
+from bytecheckpoint.manage.catalog import CheckpointInfo, cold_references, is_cold_link, read_meta
+from bytecheckpoint.manage.deletion import recover_deletion
+from bytecheckpoint.manage.journal import Journal
 from bytecheckpoint.storage import Storage, open_storage
 from bytecheckpoint.storage.base import abort_quietly
 from bytecheckpoint.storage.local import LocalStorage, fsync_dir
 from telemetry import span
 
-from .journal import Journal
 from .verify import chunk_checks, digest
 
 Hook = Callable[[str], None]
@@ -243,7 +235,7 @@ def recover(hot_root: str, cold_root: str, journal: Journal) -> int:
             if rec["op"] == "move":
                 _recover_move(hot_root, cold_root, rec)
             elif rec["op"] == "delete":
-                _recover_delete(hot_root, cold_root, rec)
+                recover_deletion(hot_root, cold_root, rec)
         journal.append(rec["id"], rec["op"], "recovered")
         count += 1
     return count
@@ -270,89 +262,3 @@ def _recover_move(hot_root: str, cold_root: str, rec: dict) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     if os.path.isdir(ckpt):
         fsync_dir(ckpt)
-
-
-def _recover_delete(hot_root: str, cold_root: str, rec: dict) -> None:
-    trash = rec["trash"]
-    # The journal is a file like any other: act only on what a deletion of ours can have left.
-    if not (isinstance(trash, str) and ".deleting-" in os.path.basename(trash)
-            and inside(os.path.realpath(trash), os.path.realpath(hot_root))):
-        return
-    if os.path.isdir(trash) and not os.path.islink(trash):
-        delete_tree(trash, cold_root, hot_root)  # renamed away, so no longer a checkpoint: finish
-    cold_dir = rec.get("cold_dir")
-    if isinstance(cold_dir, str) and not os.path.isdir(rec.get("checkpoint") or ""):
-        remove_empty_dirs(cold_dir, cold_root)
-
-
-def remove_empty_dirs(start: str, root: str) -> None:
-    """Remove ``start`` and its parents while they are empty, stopping at ``root`` (never
-    removed) and never outside it."""
-    real_root = os.path.realpath(root)
-    d = os.path.realpath(start)
-    while inside(d, real_root):
-        try:
-            os.rmdir(d)
-        except OSError:
-            return  # not empty (something else lives there) or gone
-        d = os.path.dirname(d)
-
-
-def delete_tree(hot_dir: str, cold_root: str | None, hot_root: str) -> list[str]:
-    """Delete a hot checkpoint directory (already renamed aside) and the cold copies only it
-    links to: a cold file is deleted when the link resolves inside the cold root (real paths)
-    and no other link under ``hot_root`` resolves to it. Returns the cold files deleted."""
-    if os.path.islink(hot_dir) or not os.path.isdir(hot_dir):
-        raise MoveError(f"{hot_dir} is not a directory of this tier; not deleted")
-    shared = cold_references(hot_root, cold_root, exclude=hot_dir)
-    deleted = []
-    for n in os.listdir(hot_dir):
-        target = cold_target(os.path.join(hot_dir, n), cold_root)
-        if target is None or target in shared:
-            continue  # not a cold copy of ours, or another checkpoint still uses it
-        if os.path.isfile(target) and not os.path.islink(target):
-            os.unlink(target)
-            deleted.append(target)
-    shutil.rmtree(hot_dir)
-    for d in {os.path.dirname(t) for t in deleted}:
-        remove_empty_dirs(d, cold_root or d)
-    return deleted
-
-
-def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None,
-                      journal: Journal | None) -> list[str]:
-    """Retention: rename the checkpoint aside (it stops being one at once), then delete its
-    hot files and the cold copies no other checkpoint links to. A crash in between is
-    finished by :func:`recover` (when journaled). Checked again first: a checkpoint that has
-    become untouchable since the decision (pinned, read, named by ``latest``, a save to its
-    path under way) is kept, and so is one a new save put at the path meanwhile. Returns the
-    cold files deleted; raises MoveError when it kept the checkpoint."""
-    path = ckpt.path
-    if not inside(os.path.realpath(path), os.path.realpath(hot_root)) or os.path.islink(path):
-        raise MoveError(f"{path} is not a directory inside the hot root {hot_root}; not deleted")
-    identity = os.lstat(path).st_ino
-    fresh = describe(path, hot_root, cold_root)
-    why = untouchable_reason(fresh) if fresh is not None else "no longer a checkpoint"
-    if why is not None:
-        raise MoveError(f"{path}: {why} since the decision; kept")
-    op_id = uuid.uuid4().hex[:12]
-    parent, name = os.path.split(path)
-    trash = os.path.join(parent, f".{name}.deleting-{op_id}")
-    cold_dir = os.path.join(cold_root, os.path.relpath(path, hot_root)) if cold_root else None
-    with span("tiering.delete", checkpoint=path, path=path, bytes=ckpt.size, step=ckpt.step):
-        if journal is not None:
-            journal.append(op_id, "delete", "begin", checkpoint=path, trash=trash, cold_dir=cold_dir)
-        os.rename(path, trash)
-        if os.lstat(trash).st_ino != identity:
-            # A save committed a new checkpoint at the path after the check: put it back.
-            os.rename(trash, path)
-            if journal is not None:
-                journal.append(op_id, "delete", "aborted", error="replaced by a new save")
-            raise MoveError(f"{path} was replaced by a new save while being deleted; kept")
-        fsync_dir(parent)
-        deleted = delete_tree(trash, cold_root, hot_root)
-        if cold_dir is not None and cold_root is not None:
-            remove_empty_dirs(cold_dir, cold_root)  # files in it that others use stay, and so does it
-        if journal is not None:
-            journal.append(op_id, "delete", "done")
-    return deleted

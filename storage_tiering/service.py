@@ -9,31 +9,26 @@ into an alert) and the pass goes on with the next.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from bytecheckpoint.manage.catalog import hot_bytes, orphans, scan
+from bytecheckpoint.manage.deletion import delete_checkpoint
+from bytecheckpoint.manage.journal import JOURNAL_FILE, LOCK_FILE, Journal, TierBusyError, exclusive
 from bytecheckpoint.storage import open_storage
 from bytecheckpoint.storage.redact import redact
 from telemetry import context, get_context, span
 
 from .config import ConfigError, TieringConfig
 from .hdfs import HdfsCli, HdfsMover, PolicyAdmin, scan_remote
-from .journal import JOURNAL_FILE, Journal
-from .mover import Hook, Mover, MoveResult, delete_checkpoint, recover
+from .mover import Hook, Mover, MoveResult, recover
 from .plan import Decision, decide
 
-LOCK_FILE = ".tiering.lock"
 log = logging.getLogger("storage_tiering")
-
-
-class ServiceBusy(RuntimeError):
-    """Another tiering pass holds the lock on this cold tier."""
+ServiceBusy = TierBusyError  # another tiering pass (or bcp gc) holds the cold tier's lock
+__all__ = ["LOCK_FILE", "Report", "ServiceBusy", "run_loop", "run_once"]
 
 
 @dataclass
@@ -51,19 +46,6 @@ class Report:
     @property
     def changed(self) -> bool:
         return bool(self.cooled or self.deleted or self.recovered)
-
-
-@contextlib.contextmanager
-def _exclusive(cold_root: str) -> Iterator[None]:
-    fd = os.open(os.path.join(cold_root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ServiceBusy(f"another tiering pass holds {cold_root}/{LOCK_FILE}; not starting") from None
-        yield
-    finally:
-        os.close(fd)
 
 
 def run_once(config: TieringConfig, *, dry_run: bool = False, now: float | None = None,
@@ -88,7 +70,7 @@ def _run(config: TieringConfig, dry_run: bool, now: float | None, on_step: Hook 
             raise ConfigError(f"the {label} tier {root} is not a directory (is the disk mounted?)")
     report = Report(dry_run=dry_run)
     journal = Journal(config.cold)
-    with _exclusive(config.cold):
+    with exclusive(config.cold):
         if not dry_run:
             report.recovered = recover(config.hot, config.cold, journal)
         with span("tiering.scan", path=config.hot) as ev:

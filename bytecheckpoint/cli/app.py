@@ -16,6 +16,7 @@ checkpoints exactly as tiering does (committed or not, hot or cold, pinned, bein
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -303,7 +304,13 @@ def _check_gc_root(root: str) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from storage_tiering.mover import MoveError, delete_checkpoint
+    from ..manage.deletion import (
+        DeletionRefusedError,
+        delete_checkpoint,
+        reclaimable_bytes,
+        recover_deletions,
+    )
+    from ..manage.journal import Journal, exclusive
 
     if args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1: the newest committed checkpoint is never deleted")
@@ -319,21 +326,32 @@ def cmd_gc(args: argparse.Namespace) -> int:
     doomed = [d for d in decisions if d.delete]
     hot_root = _tier_root(hot_root, cold_root, [d.checkpoint.path for d in doomed])
     act = args.yes
-    deleted, failed = [], {}
+    deleted: dict[str, int] = {}  # path -> bytes freed
+    failed: dict[str, str] = {}
     if act:
-        with _progress("deleting", len(doomed), not args.quiet) as advance:
-            for d in doomed:
-                # Checked again just before deleting: a pin, a lease, a save to the path may
-                # have appeared meanwhile; only files proved to be this checkpoint's go.
-                try:
-                    delete_checkpoint(d.checkpoint, hot_root, cold_root, None)
-                    deleted.append(d.checkpoint.path)
-                except MoveError as exc:
-                    failed[d.checkpoint.path] = str(exc)
-                except OSError as exc:
-                    failed[d.checkpoint.path] = f"{exc.strerror or exc} ({exc.filename or d.checkpoint.path})"
-                advance(1)
-    freed = sum(d.checkpoint.size for d in doomed if not act or d.checkpoint.path in deleted)
+        # With a cold tier: hold its lock (a tiering pass cooling what we delete would leave
+        # cold copies nobody links to) and journal each deletion there, so a crash is finished
+        # by the next gc or tiering pass.
+        journal = Journal(cold_root) if cold_root is not None else None
+        with exclusive(cold_root) if cold_root is not None else contextlib.nullcontext():
+            if journal is not None:
+                recover_deletions(hot_root, cold_root, journal)
+            with _progress("deleting", len(doomed), not args.quiet) as advance:
+                for d in doomed:
+                    # Checked again just before deleting: a pin, a lease, a save to the path may
+                    # have appeared meanwhile; only files proved to be this checkpoint's go.
+                    try:
+                        deleted[d.checkpoint.path] = delete_checkpoint(d.checkpoint, hot_root, cold_root,
+                                                                       journal).bytes_freed
+                    except DeletionRefusedError as exc:
+                        failed[d.checkpoint.path] = str(exc)
+                    except OSError as exc:
+                        failed[d.checkpoint.path] = (f"{exc.strerror or exc} "
+                                                     f"({exc.filename or d.checkpoint.path})")
+                    advance(1)
+        freed = sum(deleted.values())
+    else:
+        freed = sum(reclaimable_bytes(d.checkpoint.path, hot_root, cold_root) for d in doomed)
     if args.json:
         _print_json({
             "root": os.path.abspath(args.root), "dry_run": not act,

@@ -1,22 +1,48 @@
-"""The move journal: an append-only JSON-lines file in the cold tier, fsynced per record.
+"""The tiering journal: an append-only JSON-lines file in the cold tier, fsynced per record.
 
 Each record is ``{"id", "op", "state", ...}``; a move writes ``begin`` (with its file list),
 ``copied``, ``verified``, ``remapped``, ``freeing`` and ``done``, or ``aborted``. A move
 whose last record is neither ``done``, ``aborted`` nor ``recovered`` was interrupted, and the
-next run resolves it (see :func:`storage_tiering.mover.recover`). A torn last line, from a
-crash during an append, is ignored.
+next run resolves it (moves: ``storage_tiering.mover.recover``; deletions:
+:func:`bytecheckpoint.manage.deletion.recover_deletion`). A torn last line, from a crash during an
+append, is ignored. It lives in the core because ``bcp gc`` journals its deletions here too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import CheckpointError
+
 FINAL_STATES = frozenset({"done", "aborted", "recovered"})
 JOURNAL_FILE = ".tiering-journal.jsonl"
+LOCK_FILE = ".tiering.lock"
+
+
+class TierBusyError(CheckpointError):
+    """Another tiering pass or ``bcp gc`` holds the lock on this cold tier."""
+
+
+@contextlib.contextmanager
+def exclusive(cold_root: str) -> Iterator[None]:
+    """Hold the cold tier's lock: one tiering pass or ``bcp gc`` at a time moves or deletes in
+    it (a cooling racing a deletion of the same checkpoint would leave cold copies no link uses)."""
+    fd = os.open(os.path.join(cold_root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TierBusyError(f"another tiering pass or bcp gc holds {cold_root}/{LOCK_FILE}; not "
+                                "starting: try again when it has finished") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class Journal:

@@ -22,11 +22,11 @@ import bytecheckpoint as bcp
 import telemetry
 from bytecheckpoint.commit.leases import is_being_read, lease_prefix, pin, read_lease
 from bytecheckpoint.manage.catalog import hot_bytes, scan
+from bytecheckpoint.manage.journal import JOURNAL_FILE, Journal
 from bytecheckpoint.storage import faults
 from bytecheckpoint.storage.local import LocalStorage
 from storage_tiering import ConfigError, load_config, run_once
 from storage_tiering.__main__ import main as cli
-from storage_tiering.journal import JOURNAL_FILE, Journal
 from storage_tiering.mover import recover
 from storage_tiering.service import LOCK_FILE
 from telemetry.alerts import FailedOps, evaluate

@@ -1,0 +1,172 @@
+"""Deleting a checkpoint of a local hot tier, with the cold copies only it uses.
+
+``bcp gc`` and the tiering service's retention delete through :func:`delete_checkpoint`:
+
+1. check again that the checkpoint may go (a pin, a lease, a save to its path may have come
+   since the decision), and that it is a directory inside the hot root, not a link;
+2. journal the deletion (when a journal is given), then rename the directory aside to
+   ``.<name>.deleting-<id>``: it stops being a checkpoint at once (a crash leaves a hidden
+   directory, never half a checkpoint);
+3. delete its cold copies that no other link under the hot root resolves to (a ``cp -a`` copy
+   shares its original's cold files), then the renamed directory, then empty cold directories.
+
+A crash between 2 and 3 is finished by :func:`recover_deletion` from the journal record. Only
+files proved to be the checkpoint's are deleted: a cold file is one whose link resolves (real
+paths) inside the cold root; a link elsewhere is removed, its target never.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import uuid
+from dataclasses import dataclass, field
+
+from telemetry import span
+
+from ..errors import CheckpointError
+from ..storage.local import fsync_dir
+from .catalog import CheckpointInfo, cold_references, cold_target, describe, inside, untouchable_reason
+from .journal import Journal
+
+
+class DeletionRefusedError(CheckpointError):
+    """A checkpoint was kept: it became protected, was replaced, or is not this tier's."""
+
+
+@dataclass(frozen=True)
+class Deleted:
+    path: str
+    cold_files: list[str] = field(default_factory=list)  # cold copies deleted with it
+    bytes_freed: int = 0  # hot files (not links) and cold copies removed
+
+
+def remove_empty_dirs(start: str, root: str) -> None:
+    """Remove ``start`` and its parents while they are empty, stopping at ``root`` (never
+    removed) and never outside it."""
+    real_root = os.path.realpath(root)
+    d = os.path.realpath(start)
+    while inside(d, real_root):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return  # not empty (something else lives there) or gone
+        d = os.path.dirname(d)
+
+
+def _own_cold_files(hot_dir: str, cold_root: str | None, shared: dict[str, list[str]]) -> list[str]:
+    """The cold copies ``hot_dir``'s links resolve to that no other link uses."""
+    out = []
+    for n in sorted(os.listdir(hot_dir)):
+        target = cold_target(os.path.join(hot_dir, n), cold_root)
+        if target is not None and target not in shared and os.path.isfile(target) \
+                and not os.path.islink(target):
+            out.append(target)
+    return out
+
+
+def _regular_bytes(hot_dir: str) -> int:
+    total = 0
+    for d, _, names in os.walk(hot_dir):
+        for n in names:
+            st = os.lstat(os.path.join(d, n))
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
+def reclaimable_bytes(path: str, hot_root: str, cold_root: str | None) -> int:
+    """What deleting the checkpoint at ``path`` would free: its hot files (links count
+    nothing) and the cold copies only it uses (``bcp gc``'s dry run reports this)."""
+    shared = cold_references(hot_root, cold_root, exclude=path)
+    return _regular_bytes(path) + sum(os.path.getsize(f) for f in _own_cold_files(path, cold_root, shared))
+
+
+def delete_tree(hot_dir: str, cold_root: str | None, hot_root: str) -> Deleted:
+    """Delete a hot checkpoint directory (already renamed aside) and the cold copies only it
+    links to: a cold file is deleted when the link resolves inside the cold root (real paths)
+    and no other link under ``hot_root`` resolves to it."""
+    if os.path.islink(hot_dir) or not os.path.isdir(hot_dir):
+        raise DeletionRefusedError(f"{hot_dir} is not a directory of this tier; not deleted")
+    shared = cold_references(hot_root, cold_root, exclude=hot_dir)
+    freed = _regular_bytes(hot_dir)
+    deleted = []
+    for target in _own_cold_files(hot_dir, cold_root, shared):
+        size = os.path.getsize(target)
+        os.unlink(target)
+        deleted.append(target)
+        freed += size
+    shutil.rmtree(hot_dir)
+    for d in {os.path.dirname(t) for t in deleted}:
+        remove_empty_dirs(d, cold_root or d)
+    return Deleted(hot_dir, deleted, freed)
+
+
+def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None,
+                      journal: Journal | None) -> Deleted:
+    """Retention: rename the checkpoint aside (it stops being one at once), then delete its
+    hot files and the cold copies no other checkpoint links to. A crash in between is
+    finished by :func:`recover_deletion` (when journaled). Checked again first: a checkpoint
+    that has become untouchable since the decision (pinned, read, named by ``latest``, a save
+    to its path under way) is kept, and so is one a new save put at the path meanwhile.
+    Raises DeletionRefusedError when it kept the checkpoint."""
+    path = ckpt.path
+    if not inside(os.path.realpath(path), os.path.realpath(hot_root)) or os.path.islink(path):
+        raise DeletionRefusedError(f"{path} is not a directory inside the hot root {hot_root}; not deleted")
+    identity = os.lstat(path).st_ino
+    fresh = describe(path, hot_root, cold_root)
+    why = untouchable_reason(fresh) if fresh is not None else "no longer a checkpoint"
+    if why is not None:
+        raise DeletionRefusedError(f"{path}: {why} since the decision; kept")
+    op_id = uuid.uuid4().hex[:12]
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f".{name}.deleting-{op_id}")
+    cold_dir = os.path.join(cold_root, os.path.relpath(path, hot_root)) if cold_root else None
+    with span("tiering.delete", checkpoint=path, path=path, bytes=ckpt.size, step=ckpt.step):
+        if journal is not None:
+            journal.append(op_id, "delete", "begin", checkpoint=path, trash=trash, cold_dir=cold_dir)
+        os.rename(path, trash)
+        if os.lstat(trash).st_ino != identity:
+            # A save committed a new checkpoint at the path after the check: put it back.
+            os.rename(trash, path)
+            if journal is not None:
+                journal.append(op_id, "delete", "aborted", error="replaced by a new save")
+            raise DeletionRefusedError(f"{path} was replaced by a new save while being deleted; kept")
+        fsync_dir(parent)
+        done = delete_tree(trash, cold_root, hot_root)
+        if cold_dir is not None and cold_root is not None:
+            remove_empty_dirs(cold_dir, cold_root)  # files in it that others use stay, and so does it
+        if journal is not None:
+            journal.append(op_id, "delete", "done")
+    return Deleted(path, done.cold_files, done.bytes_freed)
+
+
+def recover_deletion(hot_root: str, cold_root: str | None, rec: dict) -> None:
+    """Finish a deletion a crash interrupted, from its journal ``begin`` record."""
+    trash = rec.get("trash")
+    # The journal is a file like any other: act only on what a deletion of ours can have left.
+    if not (isinstance(trash, str) and ".deleting-" in os.path.basename(trash)
+            and inside(os.path.realpath(trash), os.path.realpath(hot_root))):
+        return
+    if os.path.isdir(trash) and not os.path.islink(trash):
+        delete_tree(trash, cold_root, hot_root)  # renamed away, so no longer a checkpoint: finish
+    cold_dir = rec.get("cold_dir")
+    if isinstance(cold_dir, str) and cold_root is not None and not os.path.isdir(rec.get("checkpoint") or ""):
+        remove_empty_dirs(cold_dir, cold_root)
+
+
+def recover_deletions(hot_root: str, cold_root: str | None, journal: Journal) -> int:
+    """Finish every deletion under ``hot_root`` the journal shows interrupted (``bcp gc`` may
+    be given one run of the tier: others' records are left for the tiering pass, and so are
+    moves); returns how many."""
+    count = 0
+    for rec in journal.unfinished():
+        trash = rec.get("trash")
+        if rec.get("op") != "delete" or not isinstance(trash, str) \
+                or not inside(os.path.realpath(trash), os.path.realpath(hot_root)):
+            continue
+        with span("tiering.recover", checkpoint=rec.get("checkpoint"), op="delete", move_id=rec.get("id")):
+            recover_deletion(hot_root, cold_root, rec)
+        journal.append(rec["id"], "delete", "recovered")
+        count += 1
+    return count
