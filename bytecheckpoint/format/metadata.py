@@ -35,8 +35,9 @@ MAGIC = b"BCPMETA\x00"
 _ENVELOPE = len(MAGIC) + 16
 
 # Storage file names are plain names inside the checkpoint directory: nothing that can
-# climb out of it ("..", "/", "\\") and nothing hidden.
-_SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+# climb out of it ("..", "/", "\\") and nothing hidden. "=" is allowed: the latest pointer
+# names checkpoints such as Lightning's "epoch=0-step=8.ckpt".
+_SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=-]{0,200}$")
 
 
 class TensorMeta(NamedTuple):
