@@ -9,9 +9,10 @@ never unpickled normally; a ``torch.save`` file goes through ``torch.load(weight
 mmap=True)``, which refuses any class beyond tensors and plain containers.
 
 Back to DCP (``--to dcp``) tensors are loaded whole (the library's resharding load) in batches
-of at most ``max_memory`` bytes; each batch is one ``dcp.save`` into its own file, and the
-batches' DCP metadata are merged into one ``.metadata``. A single tensor larger than the cap
-is a batch of its own, so the peak is max(cap, largest tensor).
+into one arena of half the cap (or the largest tensor, if larger), allocated once and reused:
+freed and reallocated batches fragment the C heap, which then holds several batches at once
+(27 MiB on a 16 MiB cap). Each batch is one ``dcp.save`` into its own file, and the batches'
+DCP metadata are merged into one ``.metadata``. The peak is max(cap, largest tensor).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..format.metadata import (
 )
 from ..storage import Storage, open_storage, split_url
 from .export import ExportError
+from .mapped_pages import MappedFile
 
 Progress = Callable[[int], None]
 Reader = Callable[[int, int], memoryview]  # (offset inside the entry, length) -> bytes
@@ -315,13 +317,23 @@ def from_torch(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
         raise ConvertError(f"{src} holds no tensors to convert")
     tensors = [TensorMeta(k, dtype_name(named[k].dtype), tuple(named[k].shape)) for k in sorted(named)]
 
+    mapped = MappedFile(src)  # torch.load mapped the file: its copied pages are let go
     last: dict[int, memoryview] = {}  # one tensor's bytes: a strided tensor is made contiguous once
+    done: list[tuple[torch.Tensor, int, int]] = []  # the last piece handed out, copied by now
 
     def reader(t: torch.Tensor) -> Reader:
         def read(off: int, n: int) -> memoryview:
+            for held, lo, size in done:
+                if held.is_contiguous():
+                    mapped.drop(held.data_ptr() + lo, size)
+                elif id(held) != id(t):  # a strided tensor's source pages, once it is done
+                    storage = held.untyped_storage()
+                    mapped.drop(storage.data_ptr(), storage.nbytes())
+            done.clear()
             if id(t) not in last:
                 last.clear()
                 last[id(t)] = tensor_bytes(t)  # a view of the mapped file when contiguous
+            done.append((t, off, n))
             return last[id(t)][off:off + n]
 
         return read
@@ -332,6 +344,7 @@ def from_torch(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     out = write_checkpoint(dst, tensors, boxes, [], framework="torch", layout=layout,
                            user_metadata={"converted_from": os.path.abspath(src)},
                            overwrite=overwrite, max_memory=max_memory, progress=progress)
+    last.clear()
     return ConvertResult(dst, len(out.tensors), out.total_bytes, skipped)
 
 
@@ -404,22 +417,22 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
     from torch.distributed.checkpoint.metadata import Metadata
 
     from ..commit.integrity import read_metadata, resolve
-    from .export import _load_full
-
     _block(max_memory)
     _check_apart(src, dst)
     local = _check_dst_dir(dst, overwrite)
     storage, path = resolve(src)
     meta = read_metadata(storage, path)
     url = storage.url(path)
+    sizes = [_aligned(tm.nbytes) for tm in meta.tensors]
+    arena = _Arena(max(min(max_memory // 2, sum(sizes)), max(sizes, default=0)))  # the largest fits
     batches: list[list[TensorMeta]] = [[]]
     size = 0
     for tm in meta.tensors:
-        if batches[-1] and size + tm.nbytes > max_memory // 2:
+        if batches[-1] and size + _aligned(tm.nbytes) > arena.size:
             batches.append([])
             size = 0
         batches[-1].append(tm)
-        size += tm.nbytes
+        size += _aligned(tm.nbytes)
     tail: dict[str, Any] = {}
     skipped = [f"dataloader state ({len(meta.loader)} entries): DCP has no place for it"] * bool(meta.loader)
     per_fqn: dict[str, dict[str, dict[str, Any]]] = {}
@@ -448,7 +461,7 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
         merged: Metadata | None = None
         for i, batch in enumerate(batches):
             state: dict[str, Any] = {}
-            for key, t in _load_full(url, [(tm.key, tm) for tm in batch]).items():
+            for key, t in _load_into(url, batch, arena).items():
                 _nest(state, key, t)
             if i == len(batches) - 1:
                 _merge_into(state, tail)
@@ -474,6 +487,52 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ConvertResult(local, len(meta.tensors), meta.total_bytes, skipped)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+class _Arena:
+    """One buffer the batches of ``--to dcp`` take turns in. Each tensor is a ``frombuffer``
+    view whose storage is exactly its own bytes, so ``dcp.save`` writes it without a copy
+    (DCP clones a tensor whose storage is larger than the tensor)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buffer = memoryview(bytearray(size)) if size else None
+
+    def tensors(self, metas: list[TensorMeta]) -> dict[str, Any]:
+        import torch
+
+        from ..format.dtypes import dtype_from_name
+
+        out: dict[str, Any] = {}
+        offset = 0
+        for tm in metas:
+            dtype = dtype_from_name(tm.dtype)
+            if tm.nbytes == 0 or self.buffer is None:
+                out[tm.key] = torch.empty(tm.shape, dtype=dtype)
+                continue
+            count = tm.nbytes // dtype.itemsize
+            flat = torch.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset)
+            out[tm.key] = flat.view(tm.shape)
+            offset += _aligned(tm.nbytes)
+        return out
+
+
+def _load_into(url: str, batch: list[TensorMeta], arena: _Arena) -> dict[str, Any]:
+    """Full tensors of ``batch`` in the arena, through the library's resharding load."""
+    from ..api import load
+    from ..state.tensor_shard import TensorShard
+
+    out = arena.tensors(batch)
+    targets: dict[str, dict[str, TensorShard]] = {}
+    for tm in batch:
+        group, rest = tm.key.split("/", 1)
+        targets.setdefault(group, {})[rest] = TensorShard(out[tm.key], tuple(tm.shape))
+    load(url, targets, framework="manual", strict=False)
+    return out
 
 
 def _merge_into(state: dict[str, Any], extra: dict[str, Any]) -> None:
