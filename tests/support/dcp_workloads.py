@@ -50,6 +50,35 @@ def bcp_tp_load(path: str, tp: int) -> Canonical:
     return canonical(model, optim)
 
 
+def bcp_ddp_load(path: str) -> Canonical:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from demo.model import GPT
+    from tests.support.workloads import CFG
+
+    torch.manual_seed(123)
+    model = DDP(GPT(CFG))
+    optim = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.1)
+    bcp.load(path, {"model": model, "optimizer": optim})
+    return canonical(model.module, optim)
+
+
+def bcp_fsdp1_load(path: str) -> Canonical:
+    """FSDP v1 with flat parameters: each rank holds a ragged 1-D slice of each flat tensor."""
+    from tests.support.frameworks import canonical_fsdp1, make_fsdp1
+
+    model, optim = make_fsdp1(123, use_orig_params=False, lr=5e-4)
+    bcp.load(path, {"model": model, "optimizer": optim})
+    return canonical_fsdp1(model, optim)
+
+
+def bcp_pp_load(path: str, pp: int, dp: int) -> Canonical:
+    """A pipeline split (stage-local layer numbers mapped to global ones), FSDP2 within a stage."""
+    from tests.support.frameworks import pp_dp_load
+
+    return pp_dp_load(path, pp, dp)
+
+
 def dcp_fsdp2_load(path: str) -> Canonical:
     """PyTorch's own load of a DCP directory into FSDP2 (the --to dcp acceptance)."""
     model, optim = make_fsdp2(seed=123, lr=5e-4)
