@@ -91,6 +91,9 @@ class LoadResult:
     duration_s: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
     transport: str = "gloo"  # how the ranks exchanged units: "nccl" or "gloo", the same on every rank
+    # Entries of the checkpoint's source that could not be mapped, each "name (why)": DCP
+    # values that are no plain value, or what ``bcp convert`` left out.
+    skipped: list[str] = field(default_factory=list)
 
 
 def _listing(keys: list[str]) -> str:
@@ -401,5 +404,7 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
         for apply in plan.flat.appliers:
             apply(shared, ranked)
     phases["apply"] = time.perf_counter() - t
+    skipped = plan.meta.layout.get("skipped")
+    skipped = [s for s in skipped if isinstance(s, str)] if isinstance(skipped, list) else []
     return LoadResult(plan.storage.url(plan.path), plan.meta.step, plan.meta.framework, missing,
-                      unexpected, outcome.bytes_read, transport=transport.kind)
+                      unexpected, outcome.bytes_read, transport=transport.kind, skipped=skipped)

@@ -49,6 +49,7 @@ from ..format.metadata_file import read_metadata_bytes
 from ..storage import Storage, Writer
 from ..storage.wrapper import StorageWrapper
 from .dcp_metadata import DCP_METADATA_FILE, DcpMetadata, DcpTensor, parse_dcp_metadata
+from .safe_pickle import UnsafePickleError
 from .torch_zip import TorchBlobError, locate_tensor, read_plain_value
 
 log = logging.getLogger("bytecheckpoint.interop")
@@ -357,12 +358,21 @@ def _decode(storage: Storage, root: str, b: Any, fqn: str, skipped: list[str], s
     if b.length > MAX_OBJECT_BYTES:
         skipped.append(f"{fqn} ({b.length} bytes, over {MAX_OBJECT_BYTES})")
         return _SKIP
+    where = f"{source}: {fqn!r}"
     try:
-        return read_plain_value(storage, posixpath.join(root, b.file), b.offset, b.length,
-                                source=f"{source}: {fqn!r}")
+        return read_plain_value(storage, posixpath.join(root, b.file), b.offset, b.length, source=where)
+    except UnsafePickleError as exc:
+        why = (f"a pickled {exc.global_name}, which could run code: not a plain value"
+               if exc.global_name else _reason(exc, where))
+        skipped.append(f"{fqn} ({why})")
     except CheckpointError as exc:
-        skipped.append(f"{fqn} ({str(exc).rsplit(': ', 1)[-1][:120]})")
-        return _SKIP
+        skipped.append(f"{fqn} ({_reason(exc, where)})")
+    return _SKIP
+
+
+def _reason(exc: Exception, where: str) -> str:
+    text = str(exc).removeprefix(f"{where}: ")
+    return text if len(text) <= 160 else f"{text[:157]}..."
 
 
 def _rebuild(leaves: list[tuple[tuple[str | int, ...], Any]]) -> Any:

@@ -24,6 +24,10 @@ MAX_PICKLE_BYTES = 1 << 30
 class UnsafePickleError(UnsafeCheckpointError):
     """A pickle names a class or function outside the admitted list (it could run code)."""
 
+    def __init__(self, message: str, global_name: str | None = None) -> None:
+        super().__init__(message)
+        self.global_name = global_name  # "module.name" the pickle named, when that was the refusal
+
 
 class Record:
     """The stand-in of an admitted class: keeps its constructor arguments and pickled state
@@ -78,7 +82,7 @@ class SafeUnpickler(pickle.Unpickler):
             raise UnsafePickleError(
                 f"{self._source}: the pickle names {module}.{name}, which is not among the classes "
                 "this format may hold; refusing to load it (it could run code). Only load it with "
-                "PyTorch's own tools if you trust where it came from"
+                "PyTorch's own tools if you trust where it came from", f"{module}.{name}"
             )
         return stand_in
 
@@ -112,7 +116,15 @@ def plain_globals() -> dict[str, Any]:
     def ordered_dict(*args: Any) -> dict[Any, Any]:
         return dict(*args)
 
-    return {"collections.OrderedDict": ordered_dict}
+    def encode(text: Any = "", encoding: Any = "latin1") -> bytes:
+        # Pickle protocol 2 (torch.save's) writes bytes as _codecs.encode(str, "latin1"), so a
+        # bytes value (torchtitan's pickled dataloader state) needs it; nothing else is encoded.
+        if type(text) is not str or encoding not in ("latin1", "latin-1"):
+            raise UnsafePickleError(f"_codecs.encode({_short(text)}, {_short(encoding)}) is not how "
+                                    "pickle writes bytes", "_codecs.encode")
+        return text.encode("latin-1")
+
+    return {"collections.OrderedDict": ordered_dict, "_codecs.encode": encode}
 
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
 
