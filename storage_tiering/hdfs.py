@@ -32,13 +32,11 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Protocol
 
-from bytecheckpoint.commit.integrity import LATEST_FILE, STAGING_TAG, read_latest
-from bytecheckpoint.commit.leases import is_being_read, is_pinned
-from bytecheckpoint.errors import CheckpointError
 from bytecheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
-from bytecheckpoint.manage.catalog import CheckpointInfo, check_step, check_time
+from bytecheckpoint.manage.catalog import Catalog, CheckpointInfo
 from bytecheckpoint.storage import Storage
 from telemetry import span
 
@@ -98,58 +96,15 @@ def _read_meta(storage: Storage, path: str) -> CheckpointMetadata:
 
 
 def scan_remote(storage: Storage, root: str, admin: PolicyAdmin, cold_policy: str) -> list[CheckpointInfo]:
-    """The checkpoints under ``root`` on a storage without local links (HDFS). Their age is
-    their commit time as the metadata records it (the interface has no mtimes)."""
-    out: list[CheckpointInfo] = []
-    pending = [root]
-    while pending:
-        run_dir = pending.pop()
-        entries = storage.list_dir(run_dir)
-        staging = {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
-        latest, latest_problem = None, None
-        if LATEST_FILE in entries:
-            try:
-                latest = read_latest(storage, run_dir)
-            except (CheckpointError, OSError, ValueError, TypeError) as exc:
-                latest_problem = (f"the run's {LATEST_FILE} pointer is unreadable ({str(exc)[:200]}): "
-                                  "which checkpoint it protects is unknown")
-        for name in entries:
-            path = posixpath.join(run_dir, name)
-            if name.startswith(".") or not storage.is_dir(path):
-                continue
-            if not storage.exists(posixpath.join(path, METADATA_FILE)):
-                if name in staging:
-                    out.append(_remote_info(storage, root, run_dir, name, None, latest, staging, False,
-                                            latest_problem))
-                else:
-                    pending.append(path)
-                continue
-            try:
-                meta = _read_meta(storage, path)
-            except (CheckpointError, OSError, ValueError, TypeError) as exc:
-                # Unreadable: listed as uncommitted with the reason, so it is never touched.
-                out.append(_remote_info(storage, root, run_dir, name, None, latest, staging, False,
-                                        latest_problem or f"unreadable metadata ({str(exc)[:200]})"))
-                continue
-            cold = admin.get_policy(storage.url(path)) == cold_policy and not _markers(storage, path)
-            out.append(_remote_info(storage, root, run_dir, name, meta, latest, staging, cold,
-                                    latest_problem))
+    """The checkpoints under ``root`` on a storage without local links (HDFS), from the core's
+    catalog; a committed one is cold when its storage policy is the cold one and no move of it
+    is under way. Their age is their commit time as the metadata records it."""
+    out = []
+    for c in Catalog(storage, root).scan():
+        cold = (c.committed and admin.get_policy(storage.url(c.path)) == cold_policy
+                and not _markers(storage, c.path))
+        out.append(replace(c, cold_files=len(c.files)) if cold else c)
     return out
-
-
-def _remote_info(storage: Storage, root: str, run_dir: str, name: str, meta: CheckpointMetadata | None,
-                 latest, staging: set[str], cold: bool, problem: str | None = None) -> CheckpointInfo:
-    path = posixpath.join(run_dir, name)
-    files = (tuple(f.name for f in meta.files) + (METADATA_FILE,)) if meta else ()
-    step, step_problem = check_step(meta.step) if meta else (None, None)
-    modified, time_problem = check_time(meta.created_at) if meta else (time.time(), None)
-    return CheckpointInfo(
-        run=posixpath.relpath(run_dir, root), name=name, path=path, committed=meta is not None,
-        step=step, modified=modified, problem=problem or step_problem or time_problem,
-        files=files, size=sum(f.size for f in meta.files) if meta else 0,
-        cold_files=len(files) if cold else 0, pinned=is_pinned(storage, path),
-        being_read=is_being_read(storage, path), latest=latest is not None and latest.name == name,
-        staging=name in staging)
 
 
 def _markers(storage: Storage, path: str) -> list[str]:

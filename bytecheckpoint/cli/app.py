@@ -25,7 +25,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import (
@@ -180,7 +179,7 @@ def _layout_text(meta: Any) -> str:
 
 
 def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
-    from bytecheckpoint.manage.catalog import read_meta
+    from ..manage.catalog import read_meta
 
     rows = []
     for c in sorted(checkpoints, key=_step_key):
@@ -190,28 +189,17 @@ def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
             "framework": None, "world_size": None, "layout": None,
             "tier": "staging" if (c.staging and not c.committed) else c.state,
             "age_s": round(now - c.modified, 3), "latest": c.latest, "pinned": c.pinned,
-            "being_read": c.being_read, "problem": c.problem, "abandoned": False,
+            "being_read": c.being_read, "problem": c.problem, "abandoned": c.abandoned,
         }
         if c.committed:
             try:
                 meta = read_meta(c.path)
                 row.update(framework=meta.framework, world_size=meta.world_size, layout=meta.layout,
-                           layout_text=_layout_text(meta), user_metadata=meta.user_metadata)
+                           layout_text=_layout_text(meta))
             except (OSError, CheckpointError, ValueError, TypeError) as exc:
                 row.update(committed=False, tier="unreadable", error=str(exc))
         rows.append(row)
-    flags = _abandoned([(r["run"], r.pop("user_metadata", None), r["step"], r["latest"], now - r["age_s"])
-                        for r in rows])
-    for r, abandoned in zip(rows, flags):
-        r["abandoned"] = abandoned
     return rows
-
-
-def _abandoned(items: list[tuple[str, Any, Any, bool, float]]) -> list[bool]:
-    """Checkpoints a rollback left off their run's live timeline (see docs/guide/manager.md)."""
-    from bytecheckpoint.commit.timeline import abandoned_flags
-
-    return abandoned_flags(items)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -242,55 +230,30 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-@dataclass(frozen=True)
-class GcDecision:
-    checkpoint: Any  # bytecheckpoint.manage.catalog.CheckpointInfo
-    delete: bool
-    reason: str
+def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> list[Any]:
+    """Retention decision per checkpoint (``bytecheckpoint.manage.retention.Decision``): delete
+    a committed checkpoint unless it is among the newest ``keep_last`` of its run's live
+    timeline, its step is a multiple of ``keep_every``, or it is protected
+    (:mod:`bytecheckpoint.manage.protection`: uncommitted, a save under way, pinned, being read,
+    named by ``latest``, abandoned by a rollback, or impossible to classify). The newest
+    committed checkpoint of each run is always kept, whatever ``keep_last`` says. The policies,
+    the per-run counting and the protection rule are the manager's and the tiering service's."""
+    from ..manage.retention import Context, Decision, KeepEvery, KeepLast, any_of, kept_by, plan_deletions
 
-
-def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> list[GcDecision]:
-    """Pure retention decision per checkpoint: delete a committed checkpoint unless it is among
-    the newest ``keep_last`` of its run's live timeline, its step is a multiple of
-    ``keep_every``, or it is protected (uncommitted, a save under way, pinned, being read, named
-    by ``latest``, abandoned by a rollback, or impossible to classify: an odd step, unreadable
-    metadata or ``latest``). The newest committed checkpoint of each run is always kept,
-    whatever ``keep_last`` says. The policies and the protection rule are the manager's
-    (:mod:`bytecheckpoint.manage.retention`)."""
-    from collections import defaultdict
-
-    from bytecheckpoint.manage.catalog import read_meta
-    from bytecheckpoint.manage.retention import Context, KeepEvery, KeepLast, protected_reason
-
-    def meta_of(c: Any) -> Any:
-        try:
-            return read_meta(c.path).user_metadata if c.committed and c.problem is None else None
-        except (OSError, CheckpointError, ValueError, TypeError):
-            return None
-
-    abandoned = _abandoned([(c.run, meta_of(c), c.step, c.latest, c.modified) for c in checkpoints])
     ctx = Context(now=0.0)
-    runs: dict[str, list[int]] = defaultdict(list)
-    for i, c in enumerate(checkpoints):
-        if c.committed and c.problem is None and not abandoned[i]:
-            runs[c.run].append(i)
-    newest, every = set(), set()
-    for idx in runs.values():
-        members = [checkpoints[i] for i in idx]
-        newest.update(i for i, k in zip(idx, KeepLast(max(keep_last, 1)).select(members, context=ctx)) if k)
-        if keep_every:
-            every.update(i for i, k in zip(idx, KeepEvery(keep_every).select(members, context=ctx)) if k)
+    last = KeepLast(max(keep_last, 1))
+    every = [KeepEvery(keep_every)] if keep_every else []
+    newest = kept_by(checkpoints, last, context=ctx)
     out = []
-    for i, c in enumerate(checkpoints):
-        reason = protected_reason(c, abandoned[i])
-        if reason is None and i in newest:
-            reason = f"among the newest {max(keep_last, 1)} of its run"
-        elif reason is None and i in every:
-            reason = f"step is a multiple of {keep_every}"
-        if reason is None:
-            out.append(GcDecision(c, True, "beyond --keep-last"))
+    for i, d in enumerate(plan_deletions(checkpoints, any_of([last, *every]), context=ctx)):
+        if d.delete:
+            out.append(Decision(d.checkpoint, True, "beyond --keep-last"))
+        elif d.reason == "kept by the retention policy":
+            why = (f"among the newest {last.k} of its run" if newest[i]
+                   else f"step is a multiple of {keep_every}")
+            out.append(Decision(d.checkpoint, False, why))
         else:
-            out.append(GcDecision(c, False, reason))
+            out.append(d)
     return out
 
 

@@ -1,64 +1,283 @@
-"""What is on the tiers: every checkpoint directory under the hot root, and its state.
+"""The catalog of a root: every checkpoint under it and its state, on any storage.
 
 A run is a directory holding checkpoints (the parent of ``step_N/``); runs may sit at any
-depth below the hot root. Hidden entries (staging directories, leases, pins, tiering
-scratch) are never checkpoints, and a directory that is a symlink is never followed. A
-checkpoint file is *cold* when its hot path is a symlink whose resolved target (real paths,
-not the link's text) lies inside the cold root; a checkpoint is cold when all its files are.
+depth below the root (``nested``; the manager's root is one run). Hidden entries (staging
+directories, leases, pins, tiering scratch) are never checkpoints, and on local disk a
+directory that is a symlink is never followed. A checkpoint is a directory holding the
+metadata file (committed), or one a save is writing or left (its staging directory exists,
+or it holds storage files but no metadata).
+
+Tiers, on local disk: a checkpoint file is *cold* when its path is a symlink. Given the cold
+root, only a link whose resolved target (real paths, not the link's text) lies inside it
+counts; without one, a link to a regular file outside the checkpoint directory counts (the
+checkpoint was cooled: its bytes live elsewhere, whatever ``--cold`` says). A checkpoint is
+cold when all its files are. On other storage its tier is the scheme (HDFS cooling sets it).
 
 What cannot be classified safely is said so in ``problem`` (a step that is not a
-non-negative integer, unreadable metadata, a ``latest`` pointer that cannot be read), and the
-policies never move or delete such a checkpoint.
+non-negative integer, unreadable metadata, a ``latest`` pointer that cannot be read), and
+nothing moves or deletes such a checkpoint (:mod:`.protection`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import posixpath
 import stat
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
-from bytecheckpoint.commit.integrity import LATEST_FILE, STAGING_TAG, read_latest
-from bytecheckpoint.commit.leases import is_being_read, is_pinned
-from bytecheckpoint.errors import CheckpointError
-from bytecheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
-from bytecheckpoint.storage.local import LocalStorage
+from ..commit.leases import LEASED_SCHEMES, is_being_read, is_pinned
+from ..commit.protocol import LATEST_FILE, read_latest
+from ..commit.save_lock import STAGING_TAG, local_os_path
+from ..commit.timeline import abandoned_flags, metrics_of, timeline_of
+from ..errors import CheckpointError
+from ..format.metadata import METADATA_FILE, CheckpointMetadata
+from ..storage import Storage, open_storage, split_url
+from ..storage.local import LocalStorage
+from .protection import untouchable_reason
+from .records import CheckpointInfo
 
-_STORAGE = LocalStorage(fsync=False)  # only for listing leases and pins
+_LOCAL = LocalStorage(fsync=False)  # listing a local root: no retries or I/O events per stat
+
+__all__ = ["CheckpointInfo", "Catalog", "cold_references", "cold_target", "describe", "hot_bytes", "inside",
+           "is_cold_link", "open_root", "orphans", "read_meta", "RootListing", "scan", "untouchable_reason"]
+
+
+def open_root(url: str) -> tuple[Storage, str]:
+    """The storage and path of a root: a plain path or ``file://`` is listed directly (absolute
+    path), anything else through the storage layer (retries, any backend)."""
+    scheme, rest = split_url(url)
+    if scheme == "file":
+        return _LOCAL, os.path.abspath(rest)
+    return open_storage(url)
+
+
+def latest_of(storage: Storage, run_dir: str, entries: list[str]) -> tuple[str | None, str | None]:
+    """The checkpoint name the run's ``latest`` pointer names, or the reason it cannot be read
+    (then no checkpoint of the run may be deleted: the one it protects is unknown)."""
+    if LATEST_FILE not in entries:
+        return None, None
+    try:
+        found = read_latest(storage, run_dir)
+    except (CheckpointError, OSError, ValueError, TypeError) as exc:
+        pointer = storage.url(posixpath.join(run_dir, LATEST_FILE))
+        return None, (f"the run's {LATEST_FILE} pointer is unreadable ({str(exc)[:200]}): which "
+                      f"checkpoint it protects is unknown; fix or remove {pointer}")
+    return (found.name if found is not None else None), None
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
-    run: str  # the run directory, relative to the hot root ("." for the root itself)
-    name: str
-    path: str  # absolute hot path
-    committed: bool
-    step: int | None
-    modified: float  # last modification or commit, whichever is later
-    files: tuple[str, ...]  # storage files, then the metadata file
-    size: int
-    cold_files: int  # files whose hot path already links into the cold root
-    pinned: bool
-    being_read: bool
-    latest: bool  # named by the run's ``latest`` pointer
-    staging: bool = False  # a save into this path is under way or crashed
-    problem: str | None = None  # why it cannot be classified safely: never moved or deleted
+class _Read:
+    meta: CheckpointMetadata | None
+    meta_size: int
+    problem: str | None
 
-    @property
-    def key(self) -> str:
-        return os.path.normpath(os.path.join(self.run, self.name))
 
-    @property
-    def state(self) -> str:
-        if not self.committed:
-            return "uncommitted"
-        if self.cold_files == 0:
-            return "hot"
-        return "cold" if self.cold_files == len(self.files) else "partial"
+def _cooled_link(full: str, ckpt_dir: str, cold_root: str | None) -> bool:
+    if cold_root is not None:
+        return is_cold_link(full, cold_root)
+    # No cold root given: a link to a file outside the checkpoint holds its bytes elsewhere.
+    if not os.path.islink(full):
+        return False
+    target = os.path.realpath(full)
+    return os.path.isfile(target) and not inside(target, os.path.realpath(ckpt_dir))
+
+
+class Catalog:
+    """Lists the checkpoints of a root; keeps what it read of each metadata file (a committed
+    checkpoint never changes under its name except by an ``overwrite=True`` save, which the
+    cache key notices by the metadata's size)."""
+
+    def __init__(self, storage: Storage, root: str, cold_root: str | None = None) -> None:
+        self.storage, self.root = storage, root
+        self.cold_root = os.path.abspath(cold_root) if cold_root else None
+        self._cache: dict[tuple[str, int], _Read] = {}
+
+    def _local(self, path: str) -> str | None:
+        return local_os_path(self.storage, path)
+
+    def _read(self, path: str) -> _Read | None:
+        """The metadata of the checkpoint at ``path``; None when it holds none."""
+        meta_path = posixpath.join(path, METADATA_FILE)
+        try:
+            size = self.storage.size(meta_path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except OSError as exc:  # e.g. a metadata path that is a directory on some backends
+            return _Read(None, 0, f"unreadable metadata ({str(exc)[:200]})")
+        key = (path, size)
+        if key not in self._cache:
+            try:
+                meta = CheckpointMetadata.from_bytes(bytes(self.storage.read(meta_path)),
+                                                     source=self.storage.url(meta_path))
+                self._cache[key] = _Read(meta, size, None)
+            except FileNotFoundError:
+                return None
+            except (CheckpointError, OSError, ValueError, TypeError) as exc:
+                self._cache[key] = _Read(None, size, f"unreadable metadata ({str(exc)[:200]})")
+        return self._cache[key]
+
+    def _is_checkpoint_dir(self, path: str, staging: set[str]) -> tuple[bool, list[str] | None]:
+        """Whether ``path`` (holding no metadata) is a checkpoint a save is writing or left, and
+        its entries when it is a directory to descend into."""
+        if posixpath.basename(path) in staging:
+            return True, None
+        try:
+            entries = self.storage.list_dir(path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, OSError):
+            return False, None
+        return any(n.endswith(".safetensors") for n in entries), entries
+
+    def scan(self, *, nested: bool = True, details: bool = True) -> list[CheckpointInfo]:
+        """Every checkpoint under the root, by run then name. ``nested`` descends into
+        directories that are no checkpoint (runs at any depth); ``details`` adds pins, leases
+        and tiers (a few more storage calls per checkpoint)."""
+        out: list[CheckpointInfo] = []
+        pending = [self.root]
+        while pending:
+            run_dir = pending.pop(0)
+            try:
+                entries = sorted(self.storage.list_dir(run_dir))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            found = self._scan_run(run_dir, entries, details)
+            out += found
+            if nested:
+                names = {c.name for c in found}
+                pending += [posixpath.join(run_dir, e) for e in entries
+                            if e not in names and self._descend(posixpath.join(run_dir, e), e)]
+        return out
+
+    def _descend(self, path: str, name: str) -> bool:
+        if name.startswith(".") or name == LATEST_FILE:
+            return False
+        local = self._local(path)
+        if local is not None:
+            return os.path.isdir(local) and not os.path.islink(local)
+        return True  # listing a file on an object store yields nothing
+
+    def _scan_run(self, run_dir: str, entries: list[str], details: bool) -> list[CheckpointInfo]:
+        staging = {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
+        latest, latest_problem = latest_of(self.storage, run_dir, entries)
+        found: list[tuple[str, _Read | None]] = []
+        for name in entries:
+            if name.startswith(".") or name == LATEST_FILE:
+                continue
+            path = posixpath.join(run_dir, name)
+            local = self._local(path)
+            if local is not None and (os.path.islink(local) or not os.path.isdir(local)):
+                continue  # a symlinked directory is not this tier's; a file is no checkpoint
+            read = self._read(path)
+            if read is None and not self._is_checkpoint_dir(path, staging)[0]:
+                continue
+            found.append((name, read))
+        run = posixpath.relpath(run_dir, self.root) if run_dir != self.root else "."
+        infos = [self._info(run, run_dir, name, read, latest, latest_problem, staging, details)
+                 for name, read in found]
+        flags = abandoned_flags([(run, c.meta_doc, c.info.step, c.info.latest, c.info.time) for c in infos])
+        return [_replace_abandoned(c.info, a) for c, a in zip(infos, flags)]
+
+    def _info(self, run: str, run_dir: str, name: str, read: _Read | None, latest: str | None,
+              latest_problem: str | None, staging: set[str], details: bool) -> _Built:
+        path = posixpath.join(run_dir, name)
+        local = self._local(path)
+        leased = details and self.storage.scheme in LEASED_SCHEMES
+        common: dict[str, Any] = dict(
+            run=run, name=name, path=local if local is not None else path, url=self.storage.url(path),
+            latest=name == latest, staging=name in staging,
+            pinned=details and is_pinned(self.storage, path),
+            being_read=leased and is_being_read(self.storage, path))
+        problem = latest_problem or (read.problem if read is not None else None)
+        if read is None or read.meta is None:
+            return _Built(CheckpointInfo(step=None, time=0.0, size=read.meta_size if read else 0,
+                                         tier="uncommitted", committed=False, problem=problem,
+                                         modified=_mtime_of_entries(local), **common), None)
+        meta = read.meta
+        step, step_problem = check_step(meta.step)
+        when, time_problem = check_time(meta.created_at)
+        files = tuple(f.name for f in meta.files) + (METADATA_FILE,)
+        modified, cold = when, 0
+        if local is not None:
+            modified = 0.0  # the metadata file is written last, so its mtime is the commit time
+            for n in files:
+                full = os.path.join(local, n)
+                try:
+                    modified = max(modified, os.stat(full).st_mtime)  # a cold copy keeps the hot mtime
+                except FileNotFoundError:
+                    pass  # a missing file: verification refuses it
+                cold += _cooled_link(full, local, self.cold_root)
+        tier = "hot" if cold == 0 else ("cold" if cold == len(files) else "partial")
+        user = dict(meta.user_metadata) if isinstance(meta.user_metadata, Mapping) else {}
+        info = CheckpointInfo(
+            step=step, time=when, size=sum(f.size for f in meta.files) + read.meta_size,
+            tier=tier if local is not None else self.storage.scheme, metrics=metrics_of(user),
+            timeline=timeline_of(user), committed=True, problem=problem or step_problem or time_problem,
+            modified=modified, files=files, cold_files=cold, **common)
+        return _Built(info, user if info.problem is None else None)
+
+
+@dataclass(frozen=True)
+class _Built:
+    info: CheckpointInfo
+    meta_doc: dict | None  # user metadata, for the timeline; None when it cannot be trusted
+
+
+def _replace_abandoned(c: CheckpointInfo, abandoned: bool) -> CheckpointInfo:
+    return replace(c, abandoned=abandoned) if abandoned else c
+
+
+def _mtime_of_entries(local: str | None) -> float:
+    if local is None:
+        return 0.0
+    try:
+        return max([os.lstat(os.path.join(local, n)).st_mtime for n in os.listdir(local)] or [0.0])
+    except OSError:
+        return 0.0
+
+
+def scan(hot_root: str, cold_root: str | None = None, *, nested: bool = True) -> list[CheckpointInfo]:
+    """Every checkpoint under the root ``hot_root`` (a local path or any storage URL)."""
+    storage, root = open_root(hot_root)
+    return Catalog(storage, root, cold_root).scan(nested=nested)
+
+
+def describe(path: str, hot_root: str, cold_root: str | None) -> CheckpointInfo | None:
+    """The catalog entry of the one local checkpoint directory ``path``, read afresh (None when
+    it is no directory, a symlink to one, or no checkpoint). Its ``abandoned`` flag is not
+    computed (that needs the whole run; nothing moves or deletes by it alone)."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return None
+    run_dir, name = os.path.split(os.path.abspath(path))
+    hot_root = os.path.abspath(hot_root)
+    catalog = Catalog(_LOCAL, hot_root, cold_root)
+    entries = os.listdir(run_dir)
+    staging = {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
+    read = catalog._read(path)
+    if read is None and not catalog._is_checkpoint_dir(path, staging)[0]:
+        return None
+    latest, latest_problem = latest_of(_LOCAL, run_dir, entries)
+    run = os.path.relpath(run_dir, hot_root) if run_dir != hot_root else "."
+    return catalog._info(run, run_dir, name, read, latest, latest_problem, staging, True).info
+
+
+class RootListing:
+    """The committed checkpoints of one root (one run), as the manager reports and retains
+    them: oldest step first."""
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.catalog = Catalog(storage, root)
+
+    def list(self, *, details: bool = True) -> list[CheckpointInfo]:
+        found = [c for c in self.catalog.scan(nested=False, details=details) if c.committed]
+        found.sort(key=lambda c: (c.step if c.step is not None else -1, c.time))
+        return found
 
 
 def read_meta(path: str) -> CheckpointMetadata:
+    """The metadata of the local checkpoint at ``path``."""
     with open(os.path.join(path, METADATA_FILE), "rb") as f:
         return CheckpointMetadata.from_bytes(f.read(), source=os.path.join(path, METADATA_FILE))
 
@@ -117,113 +336,6 @@ def check_time(value: object) -> tuple[float, str | None]:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value), None
     return 0.0, f"time {str(value)[:40]!r} is not a finite number: its age is unknown"
-
-
-def latest_of(run_dir: str) -> tuple[str | None, str | None]:
-    """The checkpoint name the run's ``latest`` pointer names, or the reason it cannot be read
-    (then no checkpoint of the run may be deleted: the one it protects is unknown)."""
-    if not os.path.lexists(os.path.join(run_dir, LATEST_FILE)):
-        return None, None
-    try:
-        found = read_latest(_STORAGE, run_dir)
-    except (CheckpointError, OSError, ValueError, TypeError) as exc:
-        pointer = os.path.join(run_dir, LATEST_FILE)
-        return None, (f"the run's {LATEST_FILE} pointer is unreadable ({str(exc)[:200]}): which "
-                      f"checkpoint it protects is unknown; fix or remove {pointer}")
-    return (found.name if found is not None else None), None
-
-
-def _info(hot_root: str, cold_root: str | None, run_dir: str, name: str, latest: str | None,
-          staging: set[str], latest_problem: str | None = None) -> CheckpointInfo:
-    path = os.path.join(run_dir, name)
-    run = os.path.relpath(run_dir, hot_root)
-    common = dict(run=run, name=name, path=path, pinned=is_pinned(_STORAGE, path),
-                  being_read=is_being_read(_STORAGE, path), latest=name == latest,
-                  staging=name in staging)
-    problem = latest_problem
-    try:
-        meta = read_meta(path) if os.path.exists(os.path.join(path, METADATA_FILE)) else None
-    except (OSError, CheckpointError, ValueError, TypeError) as exc:
-        meta = None  # unreadable metadata: treated as uncommitted, never moved
-        problem = problem or f"unreadable metadata ({str(exc)[:200]})"
-    if meta is None:
-        try:
-            mtimes = [os.lstat(os.path.join(path, n)).st_mtime for n in os.listdir(path)] or [0.0]
-        except OSError:
-            mtimes = [0.0]
-        return CheckpointInfo(committed=False, step=None, modified=max(mtimes), files=(), size=0,
-                              cold_files=0, problem=problem, **common)
-    step, step_problem = check_step(meta.step)
-    problem = problem or step_problem
-    files = tuple(f.name for f in meta.files) + (METADATA_FILE,)
-    # The metadata file is written last, so its mtime is the commit time.
-    modified = 0.0
-    cold = 0
-    for n in files:
-        full = os.path.join(path, n)
-        try:
-            modified = max(modified, os.stat(full).st_mtime)  # a cold copy keeps the hot mtime
-        except FileNotFoundError:
-            pass  # a missing file: the mover's verification refuses it
-        cold += is_cold_link(full, cold_root)
-    size = sum(f.size for f in meta.files) + os.stat(os.path.join(path, METADATA_FILE)).st_size
-    return CheckpointInfo(committed=True, step=step, modified=modified, files=files, size=size,
-                          cold_files=cold, problem=problem, **common)
-
-
-def scan(hot_root: str, cold_root: str | None) -> list[CheckpointInfo]:
-    """Every checkpoint directory under ``hot_root``: committed ones, and directories that
-    look like checkpoints but hold no metadata (a save in progress or abandoned). Symlinked
-    directories are neither listed nor entered: what they point to is not this tier's."""
-    out: list[CheckpointInfo] = []
-    for run_dir, dirs, _ in os.walk(hot_root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".")
-                         and not os.path.islink(os.path.join(run_dir, d)))
-        staging = {d[1:].split(STAGING_TAG)[0] for d in os.listdir(run_dir)
-                   if d.startswith(".") and STAGING_TAG in d}
-        latest, latest_problem = latest_of(run_dir)
-        here = [d for d in dirs if os.path.exists(os.path.join(run_dir, d, METADATA_FILE))
-                or d in staging or _looks_like_checkpoint(os.path.join(run_dir, d))]
-        for d in here:
-            out.append(_info(hot_root, cold_root, run_dir, d, latest, staging, latest_problem))
-        dirs[:] = [d for d in dirs if d not in here]  # never descend into a checkpoint
-    return out
-
-
-def describe(path: str, hot_root: str, cold_root: str | None) -> CheckpointInfo | None:
-    """The catalog entry of the one checkpoint directory ``path``, read afresh (None when it
-    is no directory, or a symlink to one)."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        return None
-    run_dir, name = os.path.split(path)
-    staging = {d[1:].split(STAGING_TAG)[0] for d in os.listdir(run_dir)
-               if d.startswith(".") and STAGING_TAG in d}
-    latest, latest_problem = latest_of(run_dir)
-    return _info(hot_root, cold_root, run_dir, name, latest, staging, latest_problem)
-
-
-def untouchable_reason(c: CheckpointInfo) -> str | None:
-    """Why ``c`` may be neither moved nor deleted, whatever a policy says; None if it may."""
-    if c.problem is not None:
-        return f"cannot be classified: {c.problem}"
-    if not c.committed:
-        return "a save is being written" if c.staging else "uncommitted"
-    if c.staging:
-        return "a save to this path is under way"
-    if c.pinned:
-        return "pinned"
-    if c.being_read:
-        return "being read (lease)"
-    if c.latest:
-        return "named by latest"
-    return None
-
-
-def _looks_like_checkpoint(path: str) -> bool:
-    try:
-        return any(n.endswith(".safetensors") for n in os.listdir(path))
-    except OSError:
-        return False
 
 
 def hot_bytes(hot_root: str) -> int:

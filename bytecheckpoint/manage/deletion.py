@@ -27,8 +27,9 @@ from telemetry import span
 
 from ..errors import CheckpointError
 from ..storage.local import fsync_dir
-from .catalog import CheckpointInfo, cold_references, cold_target, describe, inside, untouchable_reason
+from .catalog import CheckpointInfo, cold_references, cold_target, describe, inside
 from .journal import Journal
+from .protection import untouchable_reason
 
 
 class DeletionRefusedError(CheckpointError):

@@ -5,21 +5,24 @@ dataclass with one method, ``select(checkpoints, *, context) -> list[bool]`` (Tr
 output aligned with input; the clock comes in through the context. ``a | b`` keeps what
 either keeps, ``a & b`` what both keep.
 
-A policy only proposes. :func:`plan_deletions` applies one to the checkpoints of the live
-timeline and never deletes a *protected* checkpoint, whatever the policy says: one named by
-``latest``, pinned, being read (a lease), being saved, abandoned by a rollback (kept until a
-person deletes it), or one that cannot be classified. Abandoned checkpoints take no place in
-the policy's counts (``KeepLast(2)`` keeps the two newest of the live timeline).
+A policy only proposes. :func:`plan_deletions` applies one to the checkpoints of each run's
+live timeline and never deletes a *protected* checkpoint (:mod:`.protection`), whatever the
+policy says: one named by ``latest``, pinned, being read (a lease), being saved, abandoned by a
+rollback (kept until a person deletes it), or one that cannot be classified. Abandoned
+checkpoints take no place in the policy's counts (``KeepLast(2)`` keeps the two newest of the
+live timeline). The manager, ``bcp gc`` and the tiering service all decide through it.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import InvalidArgumentError
+from .protection import counted, protected_reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,10 +66,7 @@ def _count(name: str, k: Any) -> None:
 
 
 def _order(c: Any) -> tuple[int, float]:
-    when = getattr(c, "time", None)  # the manager's records; the tiering catalog has "modified"
-    if when is None:
-        when = getattr(c, "modified", 0.0)
-    return (c.step if isinstance(c.step, int) else -1, when)
+    return (c.step if isinstance(c.step, int) else -1, c.time)
 
 
 @dataclass(frozen=True)
@@ -164,29 +164,6 @@ class AllOf(_Combined):
     _join = staticmethod(all)
 
 
-def protected_reason(c: Any, abandoned: bool | None = None) -> str | None:
-    """Why ``c`` may never be deleted by retention (None if it may). Reads the attributes the
-    manager's records and the tiering catalog share: ``problem``, ``committed``, ``staging``,
-    ``pinned``, ``being_read``, ``latest``, ``abandoned`` (absent = False; or given)."""
-    if abandoned is None:
-        abandoned = getattr(c, "abandoned", False)
-    if getattr(c, "problem", None) is not None:
-        return f"cannot be classified: {c.problem}"
-    if not getattr(c, "committed", True):
-        return "a save is being written" if getattr(c, "staging", False) else "uncommitted"
-    if getattr(c, "staging", False):
-        return "a save to this path is under way"
-    if getattr(c, "pinned", False):
-        return "pinned"
-    if getattr(c, "being_read", False):
-        return "being read (lease)"
-    if getattr(c, "latest", False):
-        return "named by latest"
-    if abandoned:
-        return "abandoned by a rollback (kept until deleted by hand)"
-    return None
-
-
 @dataclass(frozen=True)
 class Decision:
     checkpoint: Any
@@ -194,24 +171,55 @@ class Decision:
     reason: str
 
 
-def plan_deletions(checkpoints: Sequence[Any], policy: Policy, *, context: Context) -> list[Decision]:
-    """One decision per checkpoint. The policy sees only the checkpoints it may count (committed,
-    classifiable, not abandoned); protected ones are kept whatever it says. A policy that keeps
-    none of them is refused (nothing is deleted)."""
-    counted = [c for c in checkpoints if getattr(c, "committed", True) and getattr(c, "problem", None) is None
-               and not getattr(c, "abandoned", False)]
-    mask = policy.select(counted, context=context) if counted else []
-    if counted and not any(mask):
-        raise InvalidArgumentError(
-            f"the retention policy {policy!r} keeps none of the {len(counted)} checkpoints, so it "
-            "would delete every one; nothing was deleted. Add KeepLast(1) to it with |")
-    kept = {id(c) for c, k in zip(counted, mask) if k}
+class KeepNone(Policy):
+    """Keeps nothing: what a tiering pass with no age and no count to keep hot proposes."""
+
+    def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
+        return [False] * len(checkpoints)
+
+    def __repr__(self) -> str:
+        return "KeepNone()"
+
+
+def any_of(policies: Sequence[Policy]) -> Policy:
+    """The policies joined with ``|``; :class:`KeepNone` when there are none."""
+    return AnyOf(tuple(policies)) if len(policies) > 1 else (policies[0] if policies else KeepNone())
+
+
+def kept_by(checkpoints: Sequence[Any], policy: Policy, *, context: Context,
+            refuse_empty: bool = False) -> list[bool]:
+    """What ``policy`` keeps, run by run (``run``), among the checkpoints it may count
+    (:func:`~.protection.counted`); False for the others. With ``refuse_empty``, a policy that
+    keeps none of a run's checkpoints is refused (InvalidArgumentError)."""
+    runs: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(checkpoints):
+        if counted(c):
+            runs[c.run].append(i)
+    kept = [False] * len(checkpoints)
+    for idx in runs.values():
+        mask = policy.select([checkpoints[i] for i in idx], context=context)
+        if refuse_empty and not any(mask):
+            raise InvalidArgumentError(
+                f"the retention policy {policy!r} keeps none of the {len(idx)} checkpoints, so it "
+                "would delete every one; nothing was deleted. Add KeepLast(1) to it with |")
+        for i, k in zip(idx, mask):
+            kept[i] = bool(k)
+    return kept
+
+
+def plan_deletions(checkpoints: Sequence[Any], policy: Policy, *, context: Context,
+                   refuse_empty: bool = True) -> list[Decision]:
+    """One decision per checkpoint, aligned with the input. In each run (``run``), the policy
+    sees only the checkpoints it may count (committed, classifiable, not abandoned); protected
+    ones are kept whatever it says. With ``refuse_empty``, a policy that keeps none of a run's
+    checkpoints is refused (InvalidArgumentError; nothing is deleted)."""
+    kept = kept_by(checkpoints, policy, context=context, refuse_empty=refuse_empty)
     out = []
-    for c in checkpoints:
+    for i, c in enumerate(checkpoints):
         why = protected_reason(c)
         if why is not None:
             out.append(Decision(c, False, why))
-        elif id(c) in kept:
+        elif kept[i]:
             out.append(Decision(c, False, "kept by the retention policy"))
         else:
             out.append(Decision(c, True, "not kept by the retention policy"))

@@ -40,7 +40,8 @@ from ..errors import (
     NotACheckpointError,
 )
 from ..format.metadata import METADATA_FILE
-from ..manage.records import CheckpointInfo, RootListing
+from ..manage.catalog import RootListing
+from ..manage.records import CheckpointInfo
 from ..manage.retention import Context, Policy, plan_deletions
 from ..runtime.comm import Communicator, Outcome
 from ..storage import open_storage

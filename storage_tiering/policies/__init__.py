@@ -1,7 +1,6 @@
-"""Cooling and retention policies: one small dataclass each, composed with AnyOf/AllOf/Not."""
+"""Cooling policies: the tiering service's notion of age, on top of the core's retention policies
+(:mod:`bytecheckpoint.manage.retention`) and protection rule (:mod:`bytecheckpoint.manage.protection`)."""
 
-from .base import AllOf, AnyOf, Context, Not, Policy
-from .rules import EveryKSteps, FullyCold, NewestPerRun, OlderThan, Untouchable
+from .rules import ModifiedWithin, OlderThan
 
-__all__ = ["AllOf", "AnyOf", "Context", "EveryKSteps", "FullyCold", "NewestPerRun", "Not", "OlderThan",
-           "Policy", "Untouchable"]
+__all__ = ["ModifiedWithin", "OlderThan"]
