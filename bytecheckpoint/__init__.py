@@ -20,6 +20,7 @@ from .errors import (
     NotACheckpointError,
     RankFailedError,
     ShapeMismatchError,
+    SnapshotChangedError,
     StagingError,
     StateMismatchError,
     StorageError,
@@ -76,5 +77,5 @@ __all__ = [
     "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",
     "UnsafeCheckpointError", "CheckpointReplacedError", "ConcurrentSaveError", "InvalidArgumentError",
-    "StorageError", "StorageIOError", "StagingError",
+    "StorageError", "StorageIOError", "StagingError", "SnapshotChangedError",
 ]

@@ -18,6 +18,7 @@ from .engine.load import load as _load
 from .engine.messages import SaveOptions
 from .engine.save import SaveResult
 from .engine.save import save as _save
+from .engine.snapshot import snapshot_mode
 from .errors import InvalidArgumentError
 from .format.checksums import DEFAULT_CHUNK_BYTES
 
@@ -58,6 +59,7 @@ def save(
     async_save: bool = False,
     files_per: str | None = None,
     host_size: int | None = None,
+    snapshot: str = "blocking",
 ) -> SaveResult | SaveHandle:
     """Save ``state`` to the checkpoint directory ``path``; every rank must call it.
 
@@ -89,13 +91,19 @@ def save(
             server; any backend). Must be the same on every rank.
         host_size: ranks per host for ``files_per="host"`` (default ``BCP_COMM_HOST_SIZE``,
             else ``LOCAL_WORLD_SIZE``); hosts are blocks of consecutive ranks.
+        snapshot: for ``async_save=True``: ``"blocking"`` (the default; ``save`` returns once the
+            tensors are copied) or ``"overlapped"``: ``save`` returns once the save is planned and
+            the copy overlaps training; ``optimizer.step()`` and the forward of saved modules
+            with buffers wait for it, any other in-place change of a saved tensor must call
+            ``handle.wait_snapshot()`` first (docs/performance.md, "Overlapped snapshot").
 
     A save whose state structure is unchanged since this process group's last save reuses
     that save's plan and sends no planning messages (``SaveResult.cached_plan``).
     """
     opts = SaveOptions(framework=framework, step=check_step(step), user_metadata=dict(user_metadata or {}),
                        process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes,
-                       fqn_map=fqn_map, async_save=async_save, files_per=files_per, host_size=host_size)
+                       fqn_map=fqn_map, async_save=async_save, files_per=files_per, host_size=host_size,
+                       snapshot=snapshot_mode(snapshot, async_save))
     return _save(path, state, opts)
 
 

@@ -61,6 +61,11 @@ class StagingError(CheckpointError):
     or a failed device copy); nothing of that save was committed."""
 
 
+class SnapshotChangedError(StagingError):
+    """A saved tensor was changed in place before an overlapped async save had copied it
+    (``snapshot="overlapped"``); nothing of that save was committed."""
+
+
 class RankFailedError(CheckpointError):
     """One or more ranks failed; the message carries each failing rank's error."""
 

@@ -18,19 +18,22 @@ from typing import Any
 import torch
 
 from ..runtime.devices import on_device
+from .snapshot import Snapshot
 
 
 class SaveHandle:
-    """A save running in the background. Training may change the saved tensors as soon as
-    ``save(..., async_save=True)`` has returned this."""
+    """A save running in the background. With ``snapshot="blocking"`` training may change the
+    saved tensors as soon as ``save(..., async_save=True)`` has returned this; with
+    ``"overlapped"``, see :mod:`.snapshot` (``wait_snapshot()`` before other in-place writes)."""
 
-    def __init__(self, path: str, step: int | None) -> None:
+    def __init__(self, path: str, step: int | None, snapshot: Snapshot | None = None) -> None:
         self.path = path
         self.step = step
         self.blocking_s = 0.0  # how long save() held the caller
         self._future: Future = Future()
         self._observed = False
         self._thread: threading.Thread | None = None
+        self._snapshot = snapshot  # None: the copy was done before save() returned
 
     def _start(self, work: Callable[[], Any], device: torch.device | None = None) -> None:
         """Run ``work`` on a new thread, on the caller's CUDA ``device`` (a new thread starts
@@ -50,12 +53,28 @@ class SaveHandle:
         """True when the save has committed or failed."""
         return self._future.done()
 
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        """Block until the saved tensors are copied (or the copy failed), so they may be
+        changed in any way; True unless ``timeout`` seconds passed first. Returns at once for
+        a blocking snapshot. The save's own error, if any, comes from ``wait()``."""
+        snap = self._snapshot
+        if snap is None:
+            return True
+        done = snap.wait(timeout)
+        if done:
+            snap.remove_module_hooks()
+        return done
+
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the save is committed and return its ``SaveResult``; raise its error.
 
         Raises ``TimeoutError`` if it is still running after ``timeout`` seconds."""
         self._observed = True
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        finally:
+            if self._future.done() and self._snapshot is not None:
+                self._snapshot.remove_module_hooks()
 
     result = wait
 
@@ -88,6 +107,8 @@ def wait_pending() -> None:
     if handle is None:
         return
     exc = handle._future.exception()
+    if handle._snapshot is not None:
+        handle._snapshot.remove_module_hooks()
     if exc is not None and not handle._observed:
         handle._observed = True
         warnings.warn(f"the async save to {handle.path} (step {handle.step}) failed: {exc}",

@@ -39,6 +39,7 @@ class SaveOptions:
     async_save: bool = False
     files_per: str | None = None
     host_size: int | None = None
+    snapshot: str = "blocking"  # async saves: "blocking" or "overlapped" (engine/snapshot.py)
 
 
 @dataclass(frozen=True)

@@ -61,10 +61,11 @@ from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
-from . import host_files
+from . import host_files, snapshot
 from .async_save import SaveHandle, set_pending, wait_pending
 from .host_files import HostLayout
 from .messages import Assign, Assignment, Committed, PlanRequest, Replan, SaveOptions, Totals, Written
+from .snapshot import SnapshotMode
 from .staging import Stager
 from .writer import Entry, rank_entries, tensor_bytes, write_rank
 
@@ -303,7 +304,10 @@ class _Sources:
         self.thread: threading.Thread | None = None
         try:
             if stage or _needs_staging(views):
-                self.stager = Stager(views)
+                flat = job.flat.tensors if job.flat is not None else {}
+                owners = [flat.get(item.key) for item in assignment.items]  # a tensor, or a TensorShard
+                self.stager = Stager(views, [item.key for item in assignment.items],
+                                     [o if isinstance(o, torch.Tensor) else v for o, v in zip(owners, views)])
         except Exception as exc:
             self.error = StagingError(f"could not allocate host memory to stage this save's "
                                       f"{len(views)} tensor piece(s): {exc}; free host memory or "
@@ -481,6 +485,35 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
                       totals.metadata_bytes, totals.files, time.perf_counter() - job.t0, job.phases, hit)
 
 
+def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _Sources,
+                      state: dict[str, Any]) -> SaveHandle:
+    """snapshot="overlapped": the copy and then the write run on the save's thread; training's
+    writers wait for the copy through the hooks of ``snapshot.begin``."""
+    snap = snapshot.begin(state)
+    handle = SaveHandle(job.url, job.opts.step, snap)
+    stager = sources.stager
+
+    def publish(events: dict[Any, Any]) -> None:
+        snap.events = events
+        snap.queued.set()
+
+    def work() -> SaveResult:
+        t = time.perf_counter()
+        try:
+            if stager is not None:
+                stager.run(on_queued=publish)
+        except BaseException:  # kept by the stager: its pieces raise it to the writer
+            pass
+        finally:
+            snap.finished()
+            job.phases["stage"] = time.perf_counter() - t
+        return _finish(job, assignment, hit, sources)
+
+    handle._start(work, stager.device if stager is not None else None)
+    set_pending(handle)
+    return handle
+
+
 def save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:
     """Save ``state`` to ``url`` as :func:`bytecheckpoint.save` documents (``opts``: its options)."""
     wait_pending()  # one save at a time: the arena and the save group are never shared
@@ -541,9 +574,15 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
             total.set(bytes=result.bytes_written, framework=job.framework, cached_plan=hit)
             return result
 
-        handle = SaveHandle(url, opts.step)
         stager = sources.stager
         device = stager.device if stager is not None else None
+        if opts.snapshot == SnapshotMode.OVERLAPPED:
+            handle = _start_overlapped(job, assignment, hit, sources, state)
+            job.phases["stage"] = 0.0  # copied in the background (save.stage span)
+            handle.blocking_s = time.perf_counter() - t0
+            total.set(framework=job.framework, cached_plan=hit, blocking_s=handle.blocking_s)
+            return handle
+        handle = SaveHandle(url, opts.step)
         # A D2H copy is DMA: the writer may start on the first pieces while the rest are
         # copied. On CPU the copy and the writer would compete for the same cores while
         # training waits, so the writer starts once the snapshot is complete.

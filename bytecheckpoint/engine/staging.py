@@ -9,6 +9,10 @@ ready as soon as it lands, so a writer may start on the first piece while the ne
 still being copied (the two halves of a ping-pong pipeline, without a second copy). The
 engine overlaps them for device tensors, where the copy is DMA; on CPU an async save lets the
 copy finish first, since both would compete for the cores training is waiting on.
+
+Every source's version counter is read when the stager is built (at ``save()``) and again
+around its copy: a tensor changed in place before its copy landed fails the save with
+``SnapshotChangedError`` instead of saving a mix of two states (see ``snapshot``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from telemetry import span
 
-from ..errors import StagingError
+from ..errors import SnapshotChangedError, StagingError
 from ..runtime.devices import caller_device, cuda_devices, on_device
 
 _ALIGN = 64  # every piece starts on a cache line, so any dtype view is aligned
@@ -106,6 +110,16 @@ _POOLS: dict[tuple[bool, str], HostBufferPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
+def release_pools() -> None:
+    """Drop every pool's arena (unpinned first); the next save or load allocates anew. Call
+    it with no save or load in flight (``bcp.wait`` first), e.g. to measure memory."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for p in pools:
+        p._release()
+
+
 def pool(pinned: bool, purpose: str = "save") -> HostBufferPool:
     """The process's pool for ``purpose``: saves and loads keep separate arenas."""
     with _POOLS_LOCK:
@@ -128,6 +142,8 @@ class StagedPiece:
 
     def bytes(self) -> memoryview:
         self._ready.wait()
+        if self._failed and isinstance(self._error, StagingError):
+            raise self._error
         if self._failed:
             raise StagingError("staging the save's tensors into host memory failed; nothing "
                                f"from this save is written ({self._error or 'the save stopped'})"
@@ -138,6 +154,18 @@ class StagedPiece:
         return memoryview(self.data.numpy()) if self.data.numel() else memoryview(b"")
 
 
+def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int | None, ...]:
+    """The tensors' version counters (bumped by every in-place write); None where a tensor
+    has none (inference-mode tensors)."""
+    out = []
+    for t in tensors:
+        try:
+            out.append(t._version)
+        except RuntimeError:
+            out.append(None)
+    return tuple(out)
+
+
 class Stager:
     """Copies source views into the arena in order. ``plan`` sizes and places them first,
     so the writer can be handed every piece before the copies start.
@@ -146,8 +174,15 @@ class Stager:
     device, its current stream (both are per thread), so ``run`` on any thread copies after
     the caller's pending work on every device the sources live on."""
 
-    def __init__(self, sources: list[torch.Tensor]) -> None:
+    def __init__(self, sources: list[torch.Tensor], names: list[str] | None = None,
+                 owners: list[torch.Tensor] | None = None) -> None:
         self.sources = [s.detach() for s in sources]
+        self.names = names or [f"tensor piece {i}" for i in range(len(sources))]
+        # A source is a plain view of the local shard, but a write to a DTensor bumps only the
+        # wrapper's counter: the tensor of the state each piece comes from is watched as well.
+        self._watched = [(s,) if owners is None else (s, o)
+                         for s, o in zip(self.sources, owners or self.sources)]
+        self.versions = [_versions(w) for w in self._watched]  # the state at save() time
         self.cuda = any(s.is_cuda for s in self.sources)
         self.device = caller_device() if self.cuda else None
         self._caller_streams = {d: torch.cuda.current_stream(d) for d in cuda_devices(self.sources)}
@@ -164,19 +199,23 @@ class Stager:
             for o, s in zip(offsets, self.sources)
         ]
 
-    def run(self) -> None:
-        """Copy every source; returns when the copies are done (on CUDA: synchronized)."""
+    def run(self, on_queued: Any = None) -> None:
+        """Copy every source; returns when the copies are done (on CUDA: synchronized).
+        ``on_queued(events)``, on CUDA, gets each device's last copy event once every copy
+        is queued."""
         try:
             with span("save.stage", bytes=self.nbytes, device="cuda" if self.cuda else "cpu"):
                 if self.cuda:
                     with on_device(self.device):
-                        self._run_cuda()
+                        self._run_cuda(on_queued)
                 else:
-                    for src, piece in zip(self.sources, self.pieces):
+                    for i, (src, piece) in enumerate(zip(self.sources, self.pieces)):
                         if self._cancelled.is_set():
                             break
+                        self._check_unchanged(i)
                         if src.numel():
                             piece.data.view(src.dtype).view(src.shape).copy_(src)
+                        self._check_unchanged(i)  # a write during the copy
                         piece._ready.set()
         except BaseException as exc:
             self.error = exc
@@ -184,7 +223,15 @@ class Stager:
         finally:
             self.fail(self.error)  # pieces a cancel or an error left uncopied
 
-    def _run_cuda(self) -> None:
+    def _check_unchanged(self, i: int) -> None:
+        if _versions(self._watched[i]) != self.versions[i]:
+            raise SnapshotChangedError(
+                f"{self.names[i]} was changed in place before this async save had copied it, so "
+                "the save would mix two training states; it is not committed. Call "
+                "handle.wait_snapshot() before changing saved tensors outside optimizer.step() and "
+                "module forward, or save with snapshot='blocking'")
+
+    def _run_cuda(self, on_queued: Any = None) -> None:
         # D2H on one side stream per source device, each first waiting for the caller's stream
         # on that device: a copy of a tensor on cuda:k runs on device k's current stream, so
         # a stream (and events) on any other device would neither wait for nor cover it.
@@ -195,9 +242,10 @@ class Stager:
                 sides[dev] = torch.cuda.Stream(dev)
                 sides[dev].wait_stream(caller)
         last: dict[torch.device, Any] = {}
-        for src, piece in zip(self.sources, self.pieces):
+        for i, (src, piece) in enumerate(zip(self.sources, self.pieces)):
             if self._cancelled.is_set():
                 break
+            self._check_unchanged(i)
             if src.is_cuda:
                 dev = src.device
                 with torch.cuda.device(dev), torch.cuda.stream(sides[dev]):
@@ -210,6 +258,8 @@ class Stager:
             elif src.numel():  # a host tensor among device ones: a plain copy
                 piece.data.view(src.dtype).view(src.shape).copy_(src)
             piece._ready.set()
+        if on_queued is not None:  # from here training's writers only wait on these events, so
+            on_queued(dict(last))  # their version bumps are sanctioned: no check after this
         for dev, event in last.items():  # the snapshot is complete: training may change the tensors
             with torch.cuda.device(dev):
                 event.synchronize()
