@@ -95,6 +95,8 @@ def resolve(url: str) -> tuple[Storage, str]:
             f"{url} is not a checkpoint: it has no {METADATA_FILE} (written when a save commits)"
             " and no 'latest' pointer"
         )
+    if storage.exists(path):
+        raise NotACheckpointError(f"{url} is a file, not a checkpoint (a directory a save committed)")
     raise NotACheckpointError(f"{url}: no such checkpoint")
 
 

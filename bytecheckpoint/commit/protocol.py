@@ -518,9 +518,9 @@ def read_latest(storage: Storage, root: str) -> Latest | None:
                 f"{where} is {size} bytes, not a latest pointer (a few dozen bytes of JSON); remove "
                 "it, or load a checkpoint by its path")
         raw = bytes(storage.read(pointer))
-    except FileNotFoundError:
-        return None
-    except (IsADirectoryError, NotADirectoryError) as exc:
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # NotADirectoryError: ``root`` is a file, which holds no pointer
+    except IsADirectoryError as exc:
         raise CorruptCheckpointError(f"{where} is not a file ({exc}); remove it, or load a checkpoint "
                                      "by its path") from exc
     except OSError as exc:

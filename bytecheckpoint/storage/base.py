@@ -113,7 +113,8 @@ class Storage(abc.ABC):
             return True
         except NotARegularFileError:
             return True  # something is there, just not a file
-        except (FileNotFoundError, IsADirectoryError):
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            # NotADirectoryError: a path below a regular file (``file/metadata.msgpack``) is not there
             return self.is_dir(path)
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytearray:

@@ -1,0 +1,187 @@
+"""Hugging Face Accelerate: ``save_state`` / ``load_state`` through bytecheckpoint.
+
+    from bytecheckpoint.integrations.accelerate import load_state, save_state
+    model, optim, sched, loader = accelerator.prepare(model, optim, sched, loader)
+    start = load_state(accelerator, "ckpt") or 0             # None on a fresh start
+    batches = skip_first_batches(accelerator, loader, start % len(loader))  # mid-epoch
+    ...
+    save_state(accelerator, f"ckpt/step_{step}", step=step)  # on every process
+
+They save what ``accelerator.save_state`` saves (every prepared model, optimizer, scheduler and
+data loader, the ``GradScaler``, objects given to ``register_for_checkpointing``, every
+process's RNG and ``accelerator.step``), plus each data loader's epoch (``iteration``, which
+seeds its shuffling), as one bytecheckpoint checkpoint: models and optimizers tensor by tensor
+(deduplicated, resharded on load), the rest packed, nothing pickled.
+
+Why helpers and not Accelerate's hooks: ``register_save_state_pre_hook`` only lets a hook take
+the model weights out of ``save_state``; optimizers, schedulers, samplers and RNG states are
+still written by ``torch.save`` and read back by ``torch.load`` (pickle). A helper that takes
+the accelerator saves all of it through one path, on every process at once.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import bytecheckpoint as bcp
+from bytecheckpoint.errors import InvalidArgumentError
+
+try:
+    import accelerate
+except ImportError as exc:  # the extra is not installed
+    raise ImportError("bytecheckpoint.integrations.accelerate needs Hugging Face Accelerate: "
+                      "pip install 'bytecheckpoint[accelerate]' (accelerate 1.15)") from exc
+
+
+class _Counter:
+    """``accelerator.step`` (the gradient-accumulation counter) as a stateful object."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accelerator.step = int(state["step"])
+
+
+class _LoaderPosition:
+    """Where a prepared data loader is: its epoch (``iteration``) and its seedable sampler's
+    seed, which fix the epoch's order (the seed defaults to torch's initial seed when
+    ``prepare`` ran, so a resumed process would shuffle differently); and, for a stateful
+    loader (``use_stateful_dataloader=True``), its position within the epoch."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def _sampler(self) -> Any:
+        get = getattr(self.loader, "get_sampler", None)
+        sampler = get() if callable(get) else None
+        return sampler if hasattr(sampler, "initial_seed") else None
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"iteration": int(getattr(self.loader, "iteration", 0))}
+        sampler = self._sampler()
+        if sampler is not None:
+            state["sampler_seed"] = int(sampler.initial_seed)
+        if getattr(self.loader, "use_stateful_dataloader", False):
+            state["loader"] = self.loader.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if hasattr(self.loader, "iteration"):
+            self.loader.iteration = int(state["iteration"])
+        sampler = self._sampler()
+        if sampler is not None and "sampler_seed" in state:
+            sampler.initial_seed = int(state["sampler_seed"])
+        if "loader" in state and getattr(self.loader, "use_stateful_dataloader", False):
+            self.loader.load_state_dict(state["loader"])
+
+
+class _KeptRNG(bcp.RNGState):
+    """Every process's RNG, restored on load and kept, to be put back once more after a
+    resumed loader starts (see :func:`skip_first_batches`)."""
+
+    entries: dict[str, Any] | None = None
+
+    def restore_shards(self, entries: dict[str, Any]) -> None:
+        self.entries = dict(entries)
+        super().restore_shards(entries)
+
+    def restore_again(self) -> None:
+        if self.entries is not None:
+            super().restore_shards(self.entries)
+
+
+_RESUMED: weakref.WeakKeyDictionary[Any, _KeptRNG] = weakref.WeakKeyDictionary()
+
+
+def _numbered(name: str, i: int) -> str:
+    return name if i == 0 else f"{name}_{i}"
+
+
+def accelerator_state(accelerator: Any) -> dict[str, Any]:
+    """The bytecheckpoint state of everything ``accelerator`` prepared (the same on save and load)."""
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise InvalidArgumentError(f"give the Accelerator itself, not a {type(accelerator).__name__}")
+    kind = str(accelerator.distributed_type)
+    if any(k in kind for k in ("DEEPSPEED", "MEGATRON", "XLA")):
+        raise InvalidArgumentError(
+            f"accelerator.distributed_type is {kind}: that engine saves its own state; use "
+            "accelerator.save_state there")
+    state: dict[str, Any] = {}
+    for i, model in enumerate(accelerator._models):
+        state[_numbered("model", i)] = model
+    for i, opt in enumerate(accelerator._optimizers):
+        state[_numbered("optimizer", i)] = getattr(opt, "optimizer", opt)  # inside AcceleratedOptimizer
+    for i, sched in enumerate(accelerator._schedulers):
+        state[_numbered("scheduler", i)] = sched
+    for i, loader in enumerate(accelerator._dataloaders):
+        state[_numbered("dataloader", i)] = _LoaderPosition(loader)
+    for i, obj in enumerate(accelerator._custom_objects):
+        state[_numbered("custom", i)] = obj
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler
+    state["accelerator"] = _Counter(accelerator)
+    state["rng"] = _KeptRNG()
+    return state
+
+
+def save_state(accelerator: Any, path: str, *, step: int | None = None, async_save: bool = False,
+               **save_kwargs: Any) -> Any:
+    """Save everything ``accelerator`` prepared to the checkpoint ``path``; call it on every
+    process. ``step`` is recorded (and ``<parent>/latest`` names the newest step). Returns the
+    ``SaveResult`` (a ``SaveHandle`` with ``async_save=True``)."""
+    state = accelerator_state(accelerator)
+    accelerator.wait_for_everyone()  # no process still in its step while others copy state
+    return bcp.save(str(path), state, step=step, async_save=async_save, **save_kwargs)
+
+
+def load_state(accelerator: Any, path: str, **load_kwargs: Any) -> int | None:
+    """Load the checkpoint ``path`` (or the one a root's ``latest`` names) into everything
+    ``accelerator`` prepared, on every process; return its step, or None when ``path`` holds
+    no checkpoint yet (a fresh start: nothing is changed). Models and optimizers reshard to
+    this number of processes; per-process state (schedulers, data loaders, RNG) needs the
+    same number unless every process saved the same value.
+
+    To continue mid-epoch, skip the batches already seen with :func:`skip_first_batches`
+    (``skip_first_batches(accelerator, loader, step % len(loader))``): the epoch's order is
+    restored, and so is the RNG once the loader starts."""
+    target = str(path)
+    empty = not os.path.exists(target) or (os.path.isdir(target) and not os.listdir(target))
+    if "://" not in target and empty:
+        return None  # fresh start: one code path serves fresh and resumed runs
+    state = accelerator_state(accelerator)
+    step = bcp.load(target, state, **load_kwargs).step
+    _RESUMED[accelerator] = state["rng"]
+    return step
+
+
+def skip_first_batches(accelerator: Any, loader: Any, num_batches: int) -> Iterator[Any]:
+    """``accelerator.skip_first_batches(loader, num_batches)`` for the first epoch after
+    :func:`load_state`, exactly as the uninterrupted run would have gone on.
+
+    A new loader iterator draws its base seed from torch's global generator when it starts;
+    the uninterrupted run drew that at the start of the epoch, before the checkpoint, so after
+    the resumed iterator starts, every process's RNG is put back to the checkpoint's (as the
+    Hugging Face Trainer does). Without a preceding ``load_state`` it only skips."""
+    skipped = accelerator.skip_first_batches(loader, num_batches)
+    kept = _RESUMED.pop(accelerator, None)
+
+    def batches() -> Iterator[Any]:
+        it = iter(skipped)
+        first = next(it, _END)  # the iterator starts (and draws) here
+        if kept is not None:
+            kept.restore_again()
+        if first is not _END:
+            yield first
+            yield from it
+
+    return batches()
+
+
+_END = object()
