@@ -1,0 +1,121 @@
+"""Hugging Face ``Trainer``: ``BytecheckpointCallback``.
+
+    args = TrainingArguments(..., save_steps=500, save_only_model=True)
+    trainer = Trainer(model, args, ..., callbacks=[BytecheckpointCallback()])
+    trainer.train(resume_from_checkpoint=True)   # on a relaunch
+
+At each of the Trainer's saves the callback saves the model, optimizer, LR scheduler and every
+process's RNG through bytecheckpoint, as step ``<global_step>`` of a root (default
+``<output_dir>/bytecheckpoint``) run by a :class:`bytecheckpoint.CheckpointManager` (its
+``retention`` applies); with ``save_only_model=True`` the Trainer itself writes only the model
+and ``trainer_state.json``. On resume it loads them back at the Trainer's step, and puts the RNG
+back where the Trainer's own resume would.
+
+Why a callback and not a full replacement: the Trainer's saving and resuming are private
+(``_save_checkpoint``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
+``_load_rng_state``). Its resume reads ``trainer_state.json`` (step, epoch, how many batches
+to skip) and refuses a ``resume_from_checkpoint`` folder without its own model weights, before
+any callback runs. Replacing those means overriding private methods, which change between
+releases; so the Trainer keeps writing the model and ``trainer_state.json`` (small next to the
+optimizer state, which is twice the model for Adam) and the callback does the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import bytecheckpoint as bcp
+from bytecheckpoint.errors import NotACheckpointError
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # the extra is not installed
+    raise ImportError("bytecheckpoint.integrations.hf_trainer needs transformers: "
+                      "pip install 'bytecheckpoint[transformers]' (transformers 5)") from exc
+
+
+class _KeptRNG(bcp.RNGState):
+    """Every process's RNG, restored on load and kept, to be put back once more when the
+    resumed Trainer has skipped into its epoch."""
+
+    entries: dict[str, Any] | None = None
+
+    def restore_shards(self, entries: dict[str, Any]) -> None:
+        self.entries = dict(entries)
+        super().restore_shards(entries)
+
+    def restore_again(self) -> None:
+        if self.entries is not None:
+            super().restore_shards(self.entries)
+
+
+class BytecheckpointCallback(TrainerCallback):
+    """Saves the Trainer's model, optimizer, LR scheduler and RNG through bytecheckpoint at each
+    of its saves, and restores them when the Trainer resumes.
+
+    Args:
+        root: where the checkpoints go (any storage URL); default ``<output_dir>/bytecheckpoint``.
+        retention: a retention policy (``bcp.KeepLast(3)``...), applied after each save commits.
+        async_save: return once the state is copied to host memory (the next save, the end of
+            training or a resume waits for it).
+    """
+
+    def __init__(self, root: str | None = None, *, retention: Any = None, async_save: bool = False) -> None:
+        self.root = root
+        self.retention = retention
+        self.async_save = async_save
+        self.manager: Any = None
+        self._rng: _KeptRNG | None = None  # to put back at the first step of a mid-epoch resume
+
+    def _manager(self, args: Any) -> Any:
+        if self.manager is None:
+            root = self.root or os.path.join(args.output_dir, "bytecheckpoint")
+            self.manager = bcp.CheckpointManager(root, retention=self.retention, async_save=self.async_save)
+        return self.manager
+
+    @staticmethod
+    def _state(model: Any, optimizer: Any, lr_scheduler: Any, rng: bcp.RNGState) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": model, "rng": rng}
+        if optimizer is not None:
+            state["optimizer"] = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
+        if lr_scheduler is not None:
+            state["scheduler"] = lr_scheduler
+        return state
+
+    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                lr_scheduler: Any = None, **kwargs: Any) -> None:
+        saved = self._state(model, optimizer, lr_scheduler, bcp.RNGState())
+        self._manager(args).save(state.global_step, saved, force=True)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+        if state.global_step == 0:
+            return  # a fresh run (the Trainer resumed nothing)
+        manager = self._manager(args)
+        rng = _KeptRNG()
+        try:
+            manager.restore(self._state(model, optimizer, lr_scheduler, rng), step=state.global_step)
+        except NotACheckpointError as exc:
+            raise NotACheckpointError(
+                f"the Trainer resumed at step {state.global_step} but {manager.url} has no bytecheckpoint "
+                f"checkpoint of that step ({exc}); resume from a checkpoint saved with this callback, "
+                "or drop the callback to resume from the Trainer's own files") from None
+        # The Trainer skips the batches of the epoch already seen, which draws from the RNG,
+        # then sets the RNG (its own resume does the same); at an epoch boundary it skips nothing.
+        mid_epoch = state.epoch is not None and not math.isclose(state.epoch, round(state.epoch))
+        self._rng = rng if mid_epoch else None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        rng, self._rng = self._rng, None
+        if rng is not None:
+            rng.restore_again()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.manager is not None:
+            try:
+                self.manager.close()  # the save in flight, retention
+            finally:
+                self.manager = None
+
