@@ -117,15 +117,6 @@ def _progress(description: str, total: int | None, enabled: bool) -> Iterator[Ca
 
 # -- ls / gc: the tiering catalog ------------------------------------------------------------------
 
-def _hot_root(root: str) -> str:
-    """The root ``bcp ls`` and ``gc`` scan: ROOT itself, or its parent when ROOT is one checkpoint."""
-    root = os.path.abspath(root)
-    if not os.path.isdir(root):
-        what = "is not a directory" if os.path.lexists(root) else "no such directory"
-        raise NotACheckpointError(f"{root}: {what} (bcp ls and gc take a local root of checkpoints)")
-    return os.path.dirname(root) if _is_one_checkpoint(root) else root
-
-
 def _tier_root(hot_root: str, cold_root: str | None, paths: list[str]) -> str:
     """The hot tier's root when ``hot_root`` is a part of it (one run): the cold tier mirrors the
     whole hot tier, so a cold link's path minus its target's path under the cold root says where
@@ -149,21 +140,6 @@ def _tier_root(hot_root: str, cold_root: str | None, paths: list[str]) -> str:
     return hot_root
 
 
-def _is_one_checkpoint(root: str) -> bool:
-    return os.path.lexists(os.path.join(root, "metadata.msgpack"))
-
-
-def _catalog(root: str, cold: str | None) -> list[Any]:
-    from bytecheckpoint.manage.catalog import describe, scan
-
-    hot = _hot_root(root)
-    cold_root = os.path.abspath(cold) if cold else None
-    if _is_one_checkpoint(os.path.abspath(root)):  # ROOT is one checkpoint: only it
-        one = describe(os.path.abspath(root), hot, cold_root)
-        return [one] if one is not None else []
-    return scan(hot, cold_root)
-
-
 def _step_key(c: Any) -> tuple[str, int, str]:
     """A sort key every catalog entry has, whatever its step (an odd one sorts first)."""
     return (str(c.run), c.step if isinstance(c.step, int) else -1, str(c.name))
@@ -178,22 +154,20 @@ def _layout_text(meta: Any) -> str:
     return " ".join(parts)
 
 
-def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
-    from ..manage.catalog import read_meta
-
+def _ls_rows(root: Any, checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
     rows = []
     for c in sorted(checkpoints, key=_step_key):
         row: dict[str, Any] = {
             "run": c.run, "name": c.name, "path": c.path, "step": c.step, "committed": c.committed,
             "size": c.size, "files": max(len(c.files) - 1, 0) if c.committed else 0,
             "framework": None, "world_size": None, "layout": None,
-            "tier": "staging" if (c.staging and not c.committed) else c.state,
+            "tier": ("staging" if c.staging else c.state) if not c.committed else c.tier,
             "age_s": round(now - c.modified, 3), "latest": c.latest, "pinned": c.pinned,
             "being_read": c.being_read, "problem": c.problem, "abandoned": c.abandoned,
         }
         if c.committed:
             try:
-                meta = read_meta(c.path)
+                meta = root.metadata(c)
                 row.update(framework=meta.framework, world_size=meta.world_size, layout=meta.layout,
                            layout_text=_layout_text(meta))
             except (OSError, CheckpointError, ValueError, TypeError) as exc:
@@ -203,13 +177,16 @@ def _ls_rows(checkpoints: list[Any], now: float) -> list[dict[str, Any]]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from .roots import list_checkpoints, open_ls_root
+
     now = time.time()
-    rows = _ls_rows(_catalog(args.root, args.cold), now)
+    root = open_ls_root(args.root)
+    rows = _ls_rows(root, list_checkpoints(root, _cold_arg(root, args.cold)), now)
     if args.json:
-        _print_json({"root": os.path.abspath(args.root), "checkpoints": rows})
+        _print_json({"root": root.given, "checkpoints": rows})
         return EXIT_OK
     if not rows:
-        print(f"no checkpoints under {os.path.abspath(args.root)}")
+        print(f"no checkpoints under {root.given}")
         return EXIT_OK
     table = []
     for r in rows:
@@ -266,58 +243,105 @@ def _check_gc_root(root: str) -> None:
                          "directory): give the directory that holds the runs' checkpoints")
 
 
-def cmd_gc(args: argparse.Namespace) -> int:
+def _cold_arg(root: Any, cold: str | None) -> str | None:
+    """--cold (or $BCP_TIERING_COLD) as an absolute path; it only applies to a local root."""
+    if not cold or not root.local:
+        return None
+    cold_root = os.path.abspath(cold)
+    if not os.path.isdir(cold_root):
+        raise UsageError(f"--cold {cold_root}: no such directory (is the cold tier mounted?)")
+    return cold_root
+
+
+def _needs_cold(c: Any) -> str:
+    """Why gc without --cold refuses a cooled checkpoint. Refused rather than deleted with copies
+    found from its links: those files lie outside every directory the operator named, found only
+    by link text anyone who can write the hot tier controls, and the other copies linking to
+    them (cp -a) are only counted across the whole tier."""
+    from ..manage.catalog import cold_root_of
+
+    guess = cold_root_of(c.path)
+    where = f" ({guess})" if guess else ""
+    return (f"cooled: its files link into a cold tier{where}; deleting it without that tier would "
+            f"orphan its cold copies. Pass --cold {guess or 'COLD_ROOT'} (or set BCP_TIERING_COLD) to "
+            "delete them with it")
+
+
+def _delete_all(doomed: list[Any], root: Any, hot_root: str, cold_root: str | None,
+                quiet: bool) -> tuple[dict[str, int], dict[str, str]]:
+    """Delete each checkpoint (checked again just before: a pin, a lease, a save to the path may
+    have appeared meanwhile; only files proved to be the checkpoint's go). Returns the bytes
+    freed per path and the error per path kept."""
     from ..manage.deletion import (
         DeletionRefusedError,
         delete_checkpoint,
-        reclaimable_bytes,
+        delete_on_storage,
         recover_deletions,
     )
     from ..manage.journal import Journal, exclusive
+
+    deleted: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    # With a cold tier: hold its lock (a tiering pass cooling what we delete would leave cold
+    # copies nobody links to) and journal each deletion there, so a crash is finished by the
+    # next gc or tiering pass.
+    journal = Journal(cold_root) if cold_root is not None else None
+    with exclusive(cold_root) if cold_root is not None else contextlib.nullcontext():
+        if journal is not None:
+            recover_deletions(hot_root, cold_root, journal)
+        with _progress("deleting", len(doomed), not quiet) as advance:
+            for d in doomed:
+                c = d.checkpoint
+                try:
+                    if root.local:
+                        deleted[c.path] = delete_checkpoint(c, hot_root, cold_root, journal).bytes_freed
+                    else:
+                        delete_on_storage(root.storage, c)
+                        deleted[c.path] = c.size
+                except DeletionRefusedError as exc:
+                    failed[c.path] = str(exc)
+                except OSError as exc:
+                    failed[c.path] = f"{exc.strerror or exc} ({exc.filename or c.url})"
+                advance(1)
+    return deleted, failed
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ..manage.deletion import reclaimable_bytes
+    from .roots import list_checkpoints, open_ls_root
 
     if args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1: the newest committed checkpoint is never deleted")
     if args.keep_every < 0:
         raise UsageError("--keep-every must be 0 (off) or positive")
-    _check_gc_root(args.root)
-    hot_root = _hot_root(args.root)
-    cold_root = os.path.abspath(args.cold) if args.cold else None
-    if cold_root is not None and not os.path.isdir(cold_root):
-        raise UsageError(f"--cold {cold_root}: no such directory (is the cold tier mounted?)")
-    decisions = plan_gc(_catalog(args.root, args.cold), keep_last=args.keep_last, keep_every=args.keep_every)
+    root = open_ls_root(args.root)
+    if root.local:
+        _check_gc_root(root.given)
+    elif args.cold:
+        raise UsageError(f"--cold applies to local roots (links into a cold directory), not {args.root}")
+    cold_root = _cold_arg(root, args.cold)
+    decisions = plan_gc(list_checkpoints(root, cold_root), keep_last=args.keep_last,
+                        keep_every=args.keep_every)
     decisions.sort(key=lambda d: _step_key(d.checkpoint))
-    doomed = [d for d in decisions if d.delete]
-    hot_root = _tier_root(hot_root, cold_root, [d.checkpoint.path for d in doomed])
+    # A cooled checkpoint goes only with its cold copies: without --cold it is refused.
+    refused = {d.checkpoint.path: _needs_cold(d.checkpoint) for d in decisions
+               if d.delete and d.checkpoint.cold_files and cold_root is None and root.local}
+    doomed = [d for d in decisions if d.delete and d.checkpoint.path not in refused]
+    hot_root = root.path
+    if root.local:
+        hot_root = _tier_root(root.path, cold_root, [d.checkpoint.path for d in doomed])
     act = args.yes
-    deleted: dict[str, int] = {}  # path -> bytes freed
-    failed: dict[str, str] = {}
     if act:
-        # With a cold tier: hold its lock (a tiering pass cooling what we delete would leave
-        # cold copies nobody links to) and journal each deletion there, so a crash is finished
-        # by the next gc or tiering pass.
-        journal = Journal(cold_root) if cold_root is not None else None
-        with exclusive(cold_root) if cold_root is not None else contextlib.nullcontext():
-            if journal is not None:
-                recover_deletions(hot_root, cold_root, journal)
-            with _progress("deleting", len(doomed), not args.quiet) as advance:
-                for d in doomed:
-                    # Checked again just before deleting: a pin, a lease, a save to the path may
-                    # have appeared meanwhile; only files proved to be this checkpoint's go.
-                    try:
-                        deleted[d.checkpoint.path] = delete_checkpoint(d.checkpoint, hot_root, cold_root,
-                                                                       journal).bytes_freed
-                    except DeletionRefusedError as exc:
-                        failed[d.checkpoint.path] = str(exc)
-                    except OSError as exc:
-                        failed[d.checkpoint.path] = (f"{exc.strerror or exc} "
-                                                     f"({exc.filename or d.checkpoint.path})")
-                    advance(1)
+        deleted, failed = _delete_all(doomed, root, hot_root, cold_root, args.quiet)
         freed = sum(deleted.values())
     else:
-        freed = sum(reclaimable_bytes(d.checkpoint.path, hot_root, cold_root) for d in doomed)
+        deleted, failed = {}, {}
+        freed = sum(reclaimable_bytes(d.checkpoint.path, hot_root, cold_root) if root.local
+                    else d.checkpoint.size for d in doomed)
+    failed.update(refused)
     if args.json:
         _print_json({
-            "root": os.path.abspath(args.root), "dry_run": not act,
+            "root": root.given, "dry_run": not act,
             "checkpoints": [{"path": d.checkpoint.path, "step": d.checkpoint.step, "size": d.checkpoint.size,
                              "action": "delete" if d.delete else "keep", "reason": d.reason,
                              "deleted": d.checkpoint.path in deleted} for d in decisions],
@@ -327,14 +351,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         verb = "deleted" if act else "would delete"
         for d in decisions:
             c = d.checkpoint
-            label = (verb if c.path in deleted or not act else "FAILED") if d.delete else "keep"
+            if not d.delete:
+                label = "keep"
+            elif c.path in refused:
+                label = "REFUSED"
+            else:
+                label = verb if c.path in deleted or not act else "FAILED"
             print(f"{label:<13} {os.path.normpath(os.path.join(c.run, c.name)):<40} "
                   f"step={c.step!s:<8} {_human(c.size) if c.committed else '-':>10}  ({d.reason})")
         print(f"{verb} {len(deleted) if act else len(doomed)} checkpoint(s), {_human(freed)} "
               f"{'freed' if act else 'would be freed'}" + ("" if act else "; pass --yes to delete"))
         for path, err in failed.items():
             print(f"error: {path}: {err}", file=sys.stderr)
-    return EXIT_FAILED if failed else EXIT_OK
+    return EXIT_FAILED if failed and act else EXIT_OK
 
 
 # -- inspect / verify ------------------------------------------------------------------------------

@@ -42,8 +42,9 @@ from .records import CheckpointInfo
 
 _LOCAL = LocalStorage(fsync=False)  # listing a local root: no retries or I/O events per stat
 
-__all__ = ["CheckpointInfo", "Catalog", "cold_references", "cold_target", "describe", "hot_bytes", "inside",
-           "is_cold_link", "open_root", "orphans", "read_meta", "RootListing", "scan", "untouchable_reason"]
+__all__ = ["CheckpointInfo", "Catalog", "cold_references", "cold_root_of", "cold_target", "describe",
+           "hot_bytes", "inside", "is_cold_link", "open_root", "orphans", "read_meta",
+           "RootListing", "scan", "untouchable_reason"]
 
 
 def open_root(url: str) -> tuple[Storage, str]:
@@ -186,7 +187,7 @@ class Catalog:
         local = self._local(path)
         leased = details and self.storage.scheme in LEASED_SCHEMES
         common: dict[str, Any] = dict(
-            run=run, name=name, path=local if local is not None else path, url=self.storage.url(path),
+            run=run, name=name, path=path, url=self.storage.url(path),
             latest=name == latest, staging=name in staging,
             pinned=details and is_pinned(self.storage, path),
             being_read=leased and is_being_read(self.storage, path))
@@ -336,6 +337,28 @@ def check_time(value: object) -> tuple[float, str | None]:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value), None
     return 0.0, f"time {str(value)[:40]!r} is not a finite number: its age is unknown"
+
+
+def cold_root_of(path: str) -> str | None:
+    """Where the cold tier of the cooled checkpoint at ``path`` seems to be, read from its links
+    alone (the cold tier mirrors the hot one, so a cold copy's path ends as its link's does:
+    their common tail, at least checkpoint and file name, is cut off the target). For messages
+    only: nothing is deleted on this guess."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    for n in names:
+        link = os.path.join(path, n)
+        if not os.path.islink(link):
+            continue
+        a, b = os.path.abspath(link).split(os.sep), os.path.realpath(link).split(os.sep)
+        k = 0
+        while k < min(len(a), len(b)) - 1 and a[-1 - k] == b[-1 - k]:
+            k += 1
+        if k >= 2:
+            return os.sep.join(b[:-k]) or os.sep
+    return None
 
 
 def hot_bytes(hot_root: str) -> int:

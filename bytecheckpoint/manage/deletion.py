@@ -18,6 +18,7 @@ paths) inside the cold root; a link elsewhere is removed, its target never.
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 import stat
 import uuid
@@ -25,7 +26,11 @@ from dataclasses import dataclass, field
 
 from telemetry import span
 
+from ..commit import save_lock
+from ..commit.leases import is_being_read, is_pinned
 from ..errors import CheckpointError
+from ..format.metadata import METADATA_FILE
+from ..storage import Storage
 from ..storage.local import fsync_dir
 from .catalog import CheckpointInfo, cold_references, cold_target, describe, inside
 from .journal import Journal
@@ -140,6 +145,30 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
         if journal is not None:
             journal.append(op_id, "delete", "done")
     return Deleted(path, done.cold_files, done.bytes_freed)
+
+
+def delete_on_storage(storage: Storage, ckpt: CheckpointInfo) -> None:
+    """Delete a checkpoint through the storage layer, on any backend (the manager's retention,
+    ``bcp gc`` on an object store): under its path's save lock, pins and leases checked again
+    under it, the metadata first (it stops being committed at once), then the rest. A cooled
+    checkpoint (files that are links into a cold tier) is refused: only :func:`delete_checkpoint`,
+    given the cold root, removes its cold copies with it. Raises DeletionRefusedError when kept."""
+    if ckpt.cold_files:
+        raise DeletionRefusedError(
+            f"{ckpt.url} is cooled to another tier (its files are links): deleting here would orphan "
+            "its cold copies; delete it with `bcp gc --cold COLD_ROOT`")
+    path = ckpt.path
+    lock = save_lock.try_acquire(storage, path, f"retention-{uuid.uuid4().hex[:8]}")
+    if lock is None:
+        raise DeletionRefusedError(f"{ckpt.url}: a save or repair holds its path; kept")
+    try:
+        if is_pinned(storage, path) or is_being_read(storage, path):
+            raise DeletionRefusedError(f"{ckpt.url}: pinned or being read since the decision; kept")
+        with span("tiering.delete", checkpoint=ckpt.url, path=ckpt.url, bytes=ckpt.size, step=ckpt.step):
+            storage.delete(posixpath.join(path, METADATA_FILE))  # uncommitted first
+            storage.delete(path)
+    finally:
+        lock.release()
 
 
 def recover_deletion(hot_root: str, cold_root: str | None, rec: dict) -> None:

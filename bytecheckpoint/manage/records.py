@@ -31,7 +31,7 @@ class CheckpointInfo:
     committed: bool = True
     problem: str | None = None  # why it cannot be classified safely: never moved or deleted
     run: str = "."  # the run directory, relative to the scanned root
-    path: str = ""  # the path in its storage (absolute on local disk)
+    path: str = ""  # the path in its storage (on local disk: the absolute path)
     modified: float = 0.0  # last modification or commit, whichever is later (the age tiering uses)
     files: tuple[str, ...] = ()  # storage files, then the metadata file
     cold_files: int = 0  # files already in the cold tier (links into it, or an HDFS cold policy)

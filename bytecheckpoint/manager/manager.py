@@ -30,8 +30,6 @@ from typing import Any
 
 from ..api import check_step, load
 from ..api import save as _save
-from ..commit import save_lock
-from ..commit.leases import is_being_read, is_pinned
 from ..commit.timeline import MANAGER_KEY, Timeline
 from ..errors import (
     CheckpointError,
@@ -41,6 +39,7 @@ from ..errors import (
 )
 from ..format.metadata import METADATA_FILE
 from ..manage.catalog import RootListing
+from ..manage.deletion import delete_on_storage
 from ..manage.records import CheckpointInfo
 from ..manage.retention import Context, Policy, plan_deletions
 from ..runtime.comm import Communicator, Outcome
@@ -310,22 +309,7 @@ class CheckpointManager:
                     log.warning("%s: could not delete %s: %s", self.url, d.checkpoint.name, exc)
 
     def _delete(self, c: CheckpointInfo) -> None:
-        path = posixpath.join(self.root, c.name)
-        if c.tier not in ("hot", self.storage.scheme):
-            log.warning("%s is cooled to another tier (its files are links); retention leaves it: "
-                        "delete it with `bcp gc --cold COLD_ROOT`", c.url)
-            return
-        lock = save_lock.try_acquire(self.storage, path, f"retention-{uuid.uuid4().hex[:8]}")
-        if lock is None:
-            return  # a save or repair holds the path: not ours to delete now
-        try:
-            # Checked again under the lock: a pin or a reader may have come meanwhile.
-            if is_pinned(self.storage, path) or is_being_read(self.storage, path):
-                return
-            self.storage.delete(posixpath.join(path, METADATA_FILE))  # uncommitted first
-            self.storage.delete(path)
-        finally:
-            lock.release()
+        delete_on_storage(self.storage, c)  # the core's deletion: locked, re-checked, metadata first
 
     # -- reading ------------------------------------------------------------------------------
     def steps(self) -> list[CheckpointInfo]:
