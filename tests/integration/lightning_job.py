@@ -3,12 +3,13 @@
     python -m tests.integration.lightning_job MODE CKPT_DIR OUT_FILE [STEPS]
 
 MODE ``ddp``: 2 CPU ranks, strategy="ddp", saving through BytecheckpointIO; ``resume``: 1
-device, ``fit(ckpt_path="last")``; ``full``: 1 device, uninterrupted. Every rank sees the same
-batches (no distributed sampler), so a 2-rank DDP step equals a 1-device step bit for bit:
-the gradient average of two equal gradients is that gradient exactly. Checkpoints are saved
-after the last batch of an epoch (``every_n_train_steps``): one saved at ``on_train_epoch_end``
-makes Lightning replay a batch on resume, with its default ``TorchCheckpointIO`` too. Rank 0
-writes losses and states to OUT_FILE.
+device, ``fit(ckpt_path="last")``; ``resume_ddp``: the same on 2 DDP ranks (each loads);
+``full``: 1 device, uninterrupted. Every rank sees the same batches (no distributed
+sampler), so a 2-rank DDP step equals a 1-device step bit for bit: the gradient average of
+two equal gradients is that gradient exactly. Checkpoints are saved after the last batch of
+an epoch (``every_n_train_steps``): one saved at ``on_train_epoch_end`` makes Lightning replay
+a batch on resume, with its default ``TorchCheckpointIO`` too. Rank 0 writes losses and
+states to OUT_FILE.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def main(mode: str, ckpt_dir: str, out: str, steps: int) -> None:
         trainer = L.Trainer(devices=2, strategy="ddp", plugins=[BytecheckpointIO()], callbacks=callbacks,
                             **common)
         trainer.fit(model, loader())
-    elif mode == "resume":
-        trainer = L.Trainer(devices=1, plugins=[BytecheckpointIO()], callbacks=callbacks, **common)
+    elif mode in ("resume", "resume_ddp"):
+        layout = dict(devices=1) if mode == "resume" else dict(devices=2, strategy="ddp")
+        trainer = L.Trainer(plugins=[BytecheckpointIO()], callbacks=callbacks, **layout, **common)
         trainer.fit(model, loader(), ckpt_path="last")
     elif mode == "full":
         trainer = L.Trainer(devices=1, enable_checkpointing=False, **common)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ def test_ddp_save_resume_on_one_device_is_bit_exact(tmp_path: os.PathLike) -> No
     log = run_job("lightning_job", "ddp", str(ckpt), str(out / "ddp.pt"), "4")
     assert "unreadable latest pointer" not in log  # Lightning's names ("epoch=0-step=4.ckpt") are fine
     assert bcp.verify(str(ckpt / "last.ckpt")) == []
+    shutil.copytree(ckpt, tmp_path / "ckpt_ddp")  # for the resume on 2 ranks below
     run_job("lightning_job", "resume", str(ckpt), str(out / "resume.pt"), "8")
     run_job("lightning_job", "full", str(tmp_path / "unused"), str(out / "full.pt"), "8")
     ddp, resumed, full = (torch.load(out / f"{m}.pt", weights_only=False) for m in ("ddp", "resume", "full"))
@@ -43,6 +45,11 @@ def test_ddp_save_resume_on_one_device_is_bit_exact(tmp_path: os.PathLike) -> No
     assert_same(resumed["optim"], full["optim"], "final optimizer")
     # save_top_k=1: the resumed run removed the older checkpoint through the plugin
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=1-step=8.ckpt", "last.ckpt", "latest"]
+    # Resumed on 2 DDP ranks, each loading the checkpoint on its own: the same run again.
+    run_job("lightning_job", "resume_ddp", str(tmp_path / "ckpt_ddp"), str(out / "resume_ddp.pt"), "8")
+    resumed_ddp = torch.load(out / "resume_ddp.pt", weights_only=False)
+    assert_same(resumed_ddp["losses"], full["losses"][4:], "losses after the resume on 2 ranks")
+    assert_same(resumed_ddp["model"], full["model"], "final model, 2 ranks")
 
 
 def _checkpoint() -> dict:
