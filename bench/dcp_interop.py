@@ -7,7 +7,8 @@ Workload: a GPT-style model with AdamW state (about 30M parameters, ``--small`` 
 FSDP2 over ``--ranks`` CPU processes (gloo), trained one step and saved by ``dcp.save`` of
 ``get_state_dict``. Each repetition loads that directory into a fresh FSDP2 model + optimizer
 of the same layout, once with each system (the order alternates); page caches are dropped
-before every load when /proc/sys/vm/drop_caches is writable. Prints the medians.
+before every load when /proc/sys/vm/drop_caches is writable. Prints the medians and their
+ratio (bcp.load / dcp.load: below 1 means bytecheckpoint is faster).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import bytecheckpoint as bcp
+    from bytecheckpoint.state.flatten import init_optimizer_state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -74,7 +76,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int
 
     def with_dcp() -> None:
         m, o = _model(cfg, 1)
-        bcp.state.init_optimizer_state(o)  # dcp.load fills existing state, as bcp.load does
+        init_optimizer_state(o)  # dcp.load fills existing state, as bcp.load does
         msd, osd = get_state_dict(m, o)
         state = {"model": msd, "optimizer": osd}
         dcp.load(state, checkpoint_id=path)
@@ -127,6 +129,8 @@ def main() -> None:
         values = result[name]
         runs = ", ".join(f"{v:.3f}" for v in values)
         print(f"  {name}: median {statistics.median(values):.3f} s  ({runs})")
+    ratio = statistics.median(result["bcp.load"]) / statistics.median(result["dcp.load"])
+    print(f"  ratio bcp.load / dcp.load: {ratio:.2f}")
 
 
 if __name__ == "__main__":
