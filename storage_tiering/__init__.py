@@ -9,7 +9,18 @@ tier while their paths stay the same (DESIGN.md §7, docs/tiering.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 from .config import ConfigError, TieringConfig, load_config
-from .service import Report, run_once
 
 __all__ = ["ConfigError", "Report", "TieringConfig", "load_config", "run_once"]
+
+
+def __getattr__(name: str) -> Any:
+    # The service reads checkpoint metadata (which imports torch): loaded on first use, so
+    # `bcp tier --help` answers at once.
+    if name in ("Report", "run_once"):
+        from . import service
+
+        return getattr(service, name)
+    raise AttributeError(f"module 'storage_tiering' has no attribute {name!r}")

@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from bytecheckpoint.commit.leases import pin, unpin
 
 from .config import ConfigError, load_config
-from .service import Report, ServiceBusy, run_loop, run_once
+
+if TYPE_CHECKING:
+    from .service import Report
 
 
 def _mib(n: int) -> str:
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", help="loop mode: time between passes")
     p.add_argument("--reason", default="", help="with --pin: why")
     args = p.parse_args(argv)
+    from .service import ServiceBusy, run_loop, run_once  # after parsing: --help needs no torch
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.pin:
         print(f"pinned: {pin(args.pin, args.reason)}")

@@ -157,7 +157,9 @@ def test_an_unexpected_error_is_one_line_and_a_traceback_only_with_debug(monkeyp
     def broken(args):
         raise RuntimeError("something the code did not foresee")
 
-    monkeypatch.setattr(cli, "cmd_ls", broken)
+    from bytecheckpoint.cli import ls as ls_command
+
+    monkeypatch.setattr(ls_command, "cmd_ls", broken)
     monkeypatch.delenv("BCP_DEBUG", raising=False)
     assert cli.main(["ls", root]) == cli.EXIT_INTERNAL
     err = capsys.readouterr().err

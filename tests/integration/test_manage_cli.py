@@ -146,3 +146,16 @@ def test_ls_and_gc_on_an_s3_root(capsys):
     _loads_as(f"{root}/a", 3)
     code, _, err = _cli(capsys, "gc", root, "--keep-last", "1", "--cold", "/tmp")
     assert code == cli.EXIT_USAGE and "local roots" in err
+
+
+def test_bcp_tier_help_does_not_import_torch():
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom bytecheckpoint.cli.app import main\ntry:\n    main(['tier', '--help'])\n"
+             "except SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", probe], cwd=repo, capture_output=True, text=True,
+                          timeout=120)
+    assert "usage: python -m storage_tiering" in done.stdout, done.stderr
+    assert done.stdout.splitlines()[-1] == "NO-TORCH", done.stdout

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from bytecheckpoint.cli.app import plan_gc
+from bytecheckpoint.cli.gc import plan_gc
 from bytecheckpoint.errors import InvalidArgumentError
 from bytecheckpoint.manage.protection import counted, protected_reason, untouchable_reason
 from bytecheckpoint.manage.records import CheckpointInfo

@@ -1,0 +1,215 @@
+"""``bcp gc ROOT``: retention for a root (dry run unless ``--yes``), decided by the core's protection
+rule and policies (:mod:`bytecheckpoint.manage`), deleted with the cold copies only it uses."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Adder,
+    UsageError,
+    cold_arg,
+    human,
+    print_json,
+    progress,
+    step_key,
+)
+
+
+def _tier_root(hot_root: str, cold_root: str | None, paths: list[str]) -> str:
+    """The hot tier's root when ``hot_root`` is a part of it (one run): the cold tier mirrors the
+    whole hot tier, so a cold link's path minus its target's path under the cold root says where
+    that tier starts. Deletes must count the links of every checkpoint in it (a ``cp -a`` copy
+    elsewhere in the tier shares the cold files), not only those under the directory given."""
+    if cold_root is None:
+        return hot_root
+    real_cold = os.path.realpath(cold_root)
+    for path in paths:
+        for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+            link = os.path.join(os.path.abspath(path), name)
+            if not os.path.islink(link):
+                continue
+            target = os.path.realpath(link)
+            rel = os.path.relpath(target, real_cold)
+            if rel.startswith(os.pardir) or not link.endswith(os.sep + rel):
+                continue
+            tier = link[: -len(rel) - 1] or os.sep
+            if os.path.commonpath([tier, hot_root]) == tier and tier != os.sep:
+                return tier
+    return hot_root
+
+
+def plan_gc(checkpoints: Sequence[Any], *, keep_last: int, keep_every: int) -> list[Any]:
+    """Retention decision per checkpoint (``bytecheckpoint.manage.retention.Decision``): delete
+    a committed checkpoint unless it is among the newest ``keep_last`` of its run's live
+    timeline, its step is a multiple of ``keep_every``, or it is protected
+    (:mod:`bytecheckpoint.manage.protection`: uncommitted, a save under way, pinned, being read,
+    named by ``latest``, abandoned by a rollback, or impossible to classify). The newest
+    committed checkpoint of each run is always kept, whatever ``keep_last`` says. The policies,
+    the per-run counting and the protection rule are the manager's and the tiering service's."""
+    from ..manage.retention import Context, Decision, KeepEvery, KeepLast, any_of, kept_by, plan_deletions
+
+    ctx = Context(now=0.0)
+    last = KeepLast(max(keep_last, 1))
+    every = [KeepEvery(keep_every)] if keep_every else []
+    newest = kept_by(checkpoints, last, context=ctx)
+    out = []
+    for i, d in enumerate(plan_deletions(checkpoints, any_of([last, *every]), context=ctx)):
+        if d.delete:
+            out.append(Decision(d.checkpoint, True, "beyond --keep-last"))
+        elif d.reason == "kept by the retention policy":
+            why = (f"among the newest {last.k} of its run" if newest[i]
+                   else f"step is a multiple of {keep_every}")
+            out.append(Decision(d.checkpoint, False, why))
+        else:
+            out.append(d)
+    return out
+
+
+def _check_gc_root(root: str) -> None:
+    """Refuse roots whose scan could reach far more than checkpoints: / and the home directory."""
+    real = os.path.realpath(root)
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real == os.path.realpath(os.sep) or real == home:
+        raise UsageError(f"refusing to collect garbage in {real} (the file system root or the home "
+                         "directory): give the directory that holds the runs' checkpoints")
+
+
+def _needs_cold(c: Any) -> str:
+    """Why gc without --cold refuses a cooled checkpoint. Refused rather than deleted with copies
+    found from its links: those files lie outside every directory the operator named, found only
+    by link text anyone who can write the hot tier controls, and the other copies linking to
+    them (cp -a) are only counted across the whole tier."""
+    from ..manage.catalog import cold_root_of
+
+    guess = cold_root_of(c.path)
+    where = f" ({guess})" if guess else ""
+    return (f"cooled: its files link into a cold tier{where}; deleting it without that tier would "
+            f"orphan its cold copies. Pass --cold {guess or 'COLD_ROOT'} (or set BCP_TIERING_COLD) to "
+            "delete them with it")
+
+
+def _delete_all(doomed: list[Any], root: Any, hot_root: str, cold_root: str | None,
+                quiet: bool) -> tuple[dict[str, int], dict[str, str]]:
+    """Delete each checkpoint (checked again just before: a pin, a lease, a save to the path may
+    have appeared meanwhile; only files proved to be the checkpoint's go). Returns the bytes
+    freed per path and the error per path kept."""
+    from ..manage.deletion import (
+        DeletionRefusedError,
+        delete_checkpoint,
+        delete_on_storage,
+        recover_deletions,
+    )
+    from ..manage.journal import Journal, exclusive
+
+    deleted: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    # With a cold tier: hold its lock (a tiering pass cooling what we delete would leave cold
+    # copies nobody links to) and journal each deletion there, so a crash is finished by the
+    # next gc or tiering pass.
+    journal = Journal(cold_root) if cold_root is not None else None
+    with exclusive(cold_root) if cold_root is not None else contextlib.nullcontext():
+        if journal is not None:
+            recover_deletions(hot_root, cold_root, journal)
+        with progress("deleting", len(doomed), not quiet) as advance:
+            for d in doomed:
+                c = d.checkpoint
+                try:
+                    if root.local:
+                        deleted[c.path] = delete_checkpoint(c, hot_root, cold_root, journal).bytes_freed
+                    else:
+                        delete_on_storage(root.storage, c)
+                        deleted[c.path] = c.size
+                except DeletionRefusedError as exc:
+                    failed[c.path] = str(exc)
+                except OSError as exc:
+                    failed[c.path] = f"{exc.strerror or exc} ({exc.filename or c.url})"
+                advance(1)
+    return deleted, failed
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ..manage.deletion import reclaimable_bytes
+    from .roots import list_checkpoints, open_ls_root
+
+    if args.keep_last < 1:
+        raise UsageError("--keep-last must be at least 1: the newest committed checkpoint is never deleted")
+    if args.keep_every < 0:
+        raise UsageError("--keep-every must be 0 (off) or positive")
+    root = open_ls_root(args.root)
+    if root.local:
+        _check_gc_root(root.given)
+    elif args.cold:
+        raise UsageError(f"--cold applies to local roots (links into a cold directory), not {args.root}")
+    cold_root = cold_arg(root, args.cold)
+    decisions = plan_gc(list_checkpoints(root, cold_root), keep_last=args.keep_last,
+                        keep_every=args.keep_every)
+    decisions.sort(key=lambda d: step_key(d.checkpoint))
+    # A cooled checkpoint goes only with its cold copies: without --cold it is refused.
+    refused = {d.checkpoint.path: _needs_cold(d.checkpoint) for d in decisions
+               if d.delete and d.checkpoint.cold_files and cold_root is None and root.local}
+    doomed = [d for d in decisions if d.delete and d.checkpoint.path not in refused]
+    hot_root = root.path
+    if root.local:
+        hot_root = _tier_root(root.path, cold_root, [d.checkpoint.path for d in doomed])
+    act = args.yes
+    if act:
+        deleted, failed = _delete_all(doomed, root, hot_root, cold_root, args.quiet)
+        freed = sum(deleted.values())
+    else:
+        deleted, failed = {}, {}
+        freed = sum(reclaimable_bytes(d.checkpoint.path, hot_root, cold_root) if root.local
+                    else d.checkpoint.size for d in doomed)
+    failed.update(refused)
+    if args.json:
+        print_json({
+            "root": root.given, "dry_run": not act,
+            "checkpoints": [{"path": d.checkpoint.path, "step": d.checkpoint.step, "size": d.checkpoint.size,
+                             "action": "delete" if d.delete else "keep", "reason": d.reason,
+                             "deleted": d.checkpoint.path in deleted} for d in decisions],
+            "bytes_freed": freed, "failed": failed,
+        })
+    else:
+        verb = "deleted" if act else "would delete"
+        for d in decisions:
+            c = d.checkpoint
+            if not d.delete:
+                label = "keep"
+            elif c.path in refused:
+                label = "REFUSED"
+            else:
+                label = verb if c.path in deleted or not act else "FAILED"
+            print(f"{label:<13} {os.path.normpath(os.path.join(c.run, c.name)):<40} "
+                  f"step={c.step!s:<8} {human(c.size) if c.committed else '-':>10}  ({d.reason})")
+        print(f"{verb} {len(deleted) if act else len(doomed)} checkpoint(s), {human(freed)} "
+              f"{'freed' if act else 'would be freed'}" + ("" if act else "; pass --yes to delete"))
+        for path, err in failed.items():
+            print(f"error: {path}: {err}", file=sys.stderr)
+    return EXIT_FAILED if failed and act else EXIT_OK
+
+
+def register(add: Adder) -> None:
+    gc = add("gc", "delete old checkpoints (dry run unless --yes)",
+             "Retention for a local root. Keeps, in every run: the newest --keep-last committed checkpoints "
+             "(at least 1: the newest committed is never deleted), steps divisible by --keep-every, and "
+             "anything uncommitted (a save being written), pinned, being read or named by 'latest'. "
+             "Deletes the rest, with their cold copies. Dry run by default: prints what it would delete "
+             "and the bytes it would free.")
+    gc.add_argument("root", metavar="ROOT")
+    gc.add_argument("--keep-last", type=int, required=True, metavar="N",
+                    help="keep the newest N committed checkpoints of each run (at least 1)")
+    gc.add_argument("--keep-every", type=int, default=0, metavar="K",
+                    help="also keep steps divisible by K")
+    gc.add_argument("--yes", "--delete", dest="yes", action="store_true", help="really delete")
+    gc.add_argument("--cold", default=os.environ.get("BCP_TIERING_COLD") or None, metavar="DIR",
+                    help="the cold tier's root, whose copies are deleted too (default $BCP_TIERING_COLD)")
+    gc.add_argument("--json", action="store_true", help="machine-readable output")
+    gc.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    gc.set_defaults(fn=cmd_gc)
