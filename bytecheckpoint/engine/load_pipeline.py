@@ -36,7 +36,7 @@ from ..format.checksums import bad_chunks
 from ..planners import LocalShard
 from ..runtime.devices import on_device
 from ..storage import Storage
-from .read_plan import ReadUnit, windows
+from .read_plan import ReadUnit
 from .staging import pool
 
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -117,6 +117,41 @@ def contiguous_runs(units: list[tuple[int, ReadUnit]], limit: int) -> list[list[
             size = u.nbytes
         end, file = u.box_offset + u.stop, u.file
     return runs
+
+
+def balanced_windows(units: list[ReadUnit], limit: int) -> list[list[ReadUnit]]:
+    """Windows of about ``limit`` bytes in which every reader has about the same share.
+
+    Each saved box (all its units, so its copies run when the window lands) belongs to the
+    reader of most of its bytes; window k takes the next ``limit / readers`` bytes of every
+    reader's boxes, in file order. Cutting the plan in file order instead gave each window to
+    one or two ranks (in a same-layout load each rank reads its own files) while the others
+    waited at the window's agreement: 1.8 streams on average where the disk wanted 4.
+    Identical on every rank for the same units; within a window units stay in file order."""
+    boxes: dict[tuple[int, int], list[ReadUnit]] = {}
+    for u in units:
+        boxes.setdefault(u.box, []).append(u)
+    queues: dict[int, list[list[ReadUnit]]] = {}
+    for box_units in boxes.values():
+        bytes_by_reader: dict[int, int] = {}
+        for u in box_units:
+            bytes_by_reader[u.reader] = bytes_by_reader.get(u.reader, 0) + u.nbytes
+        owner = min(bytes_by_reader, key=lambda r: (-bytes_by_reader[r], r))
+        queues.setdefault(owner, []).append(box_units)
+    share = max(1, limit // max(1, len(queues)))
+    heads = {r: 0 for r in queues}
+    out: list[list[ReadUnit]] = []
+    while any(heads[r] < len(q) for r, q in queues.items()):
+        window: list[ReadUnit] = []
+        for r in sorted(queues):
+            taken, q = 0, queues[r]
+            while heads[r] < len(q) and (taken == 0 or taken + sum(u.nbytes for u in q[heads[r]]) <= share):
+                taken += sum(u.nbytes for u in q[heads[r]])
+                window.extend(q[heads[r]])
+                heads[r] += 1
+        window.sort(key=lambda u: (u.file, u.box_offset, u.start))
+        out.append(window)
+    return out
 
 
 @dataclass
@@ -312,7 +347,7 @@ class LoadPipeline:
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> PipelineResult:
-        groups = windows(self.units, self.window_bytes)
+        groups = balanced_windows(self.units, self.window_bytes)
         bases = [0]
         for g in groups:
             bases.append(bases[-1] + len(g))  # tags: the unit's index in the whole plan
