@@ -11,7 +11,8 @@ A GPT-style model with AdamW (the workloads of bench/engine_vs_dcp.py; ``--model
 no saves (the baseline, in the same processes, the order rotating per repetition). Each mode
 first makes one untimed save (staging memory is allocated then). Modes (``--modes``):
 
-  ours-blocking     bcp.save(async_save=True): returns once this rank's shards are copied
+  ours-blocking     bcp.save(async_save=True, snapshot="blocking"): returns once this rank's
+                    shards are copied
   ours-sync         bcp.save()
   ours-overlapped   bcp.save(async_save=True, snapshot="overlapped"): returns once scheduled;
                     the copy overlaps the next step, the optimizer step waits for it
@@ -87,14 +88,14 @@ class Mode:
 
 
 MODES: dict[str, Mode] = {
-    "ours-blocking": Mode("bcp", {"async_save": True}),
+    "ours-blocking": Mode("bcp", {"async_save": True, "snapshot": "blocking"}),
     "ours-sync": Mode("bcp", {}),
     "ours-overlapped": Mode("bcp", {"async_save": True, "snapshot": "overlapped"}),
     "dcp-async": Mode("dcp", {"async": True}),
     "dcp-async-staged": Mode("dcp", {"async": True, "stager": "async"}),
     "dcp-sync": Mode("dcp", {}),
 }
-DEFAULT_MODES = "ours-blocking,ours-sync,dcp-async,dcp-async-staged,dcp-sync"
+DEFAULT_MODES = "ours-overlapped,ours-blocking,ours-sync,dcp-async,dcp-async-staged,dcp-sync"
 PAIRS = (("ours-overlapped", "dcp-async"), ("ours-overlapped", "dcp-async-staged"),
          ("ours-blocking", "dcp-async"), ("ours-blocking", "dcp-async-staged"), ("ours-sync", "dcp-sync"))
 
