@@ -366,7 +366,10 @@ def hot_bytes(hot_root: str) -> int:
     total = 0
     for run_dir, _, names in os.walk(hot_root):
         for n in names:
-            st = os.lstat(os.path.join(run_dir, n))
+            try:
+                st = os.lstat(os.path.join(run_dir, n))
+            except FileNotFoundError:
+                continue  # a save renamed its staging directory meanwhile
             if not stat.S_ISLNK(st.st_mode):
                 total += st.st_size
     return total
