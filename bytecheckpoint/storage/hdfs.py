@@ -1,7 +1,7 @@
 """HDFS (``hdfs://namenode:port/path``) through ``hdfs-native``, a JVM-free HDFS client.
 
 Implemented against the client's documented interface, not tested against a cluster (no
-HDFS can run on the machines this project is built on; see tests/test_storage_hdfs.py for
+HDFS can run on the machines this project is built on; see tests/unit/test_storage_hdfs.py for
 what the tests do and do not prove).
 
 - Commits by rename (``CommitMode.RENAME``): an HDFS rename is atomic on the name node.

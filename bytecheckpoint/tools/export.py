@@ -182,7 +182,7 @@ def _pack(items: Sequence[ExportItem], limit: int) -> list[list[ExportItem]]:
     """Greedy in checkpoint order; a tensor larger than the limit gets a shard of its own.
 
     Not ``huggingface_hub.split_torch_state_dict_into_shards``: it splits the same way while
-    every tensor fits (tests/test_export_layout.py checks that), but it lifts a tensor larger
+    every tensor fits (tests/unit/test_export_layout.py checks that), but it lifts a tensor larger
     than the limit out ahead while the open shard keeps filling, so the files stop following
     checkpoint order (a small tensor lands after every large one), and it names a single shard
     ``model.safetensors``, where this export always writes numbered shards and an index (which
