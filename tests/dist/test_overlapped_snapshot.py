@@ -108,7 +108,7 @@ def write_without_waiting(root: str) -> dict[str, Any]:
             p.add_(1.0)
     try:
         handle.wait()
-    except bcp.SnapshotChangedError as exc:
+    except (bcp.SnapshotChangedError, bcp.RankFailedError) as exc:  # here, or on another rank
         return {"error": str(exc)}
     return {"error": None, "differs": _same(ref, _loaded(f"{root}/x"))}
 
