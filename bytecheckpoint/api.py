@@ -19,6 +19,7 @@ from .engine.messages import SaveOptions
 from .engine.save import SaveResult
 from .engine.save import save as _save
 from .engine.snapshot import snapshot_mode
+from .engine.staging_ring import staging_cap
 from .errors import InvalidArgumentError
 from .format.checksums import DEFAULT_CHUNK_BYTES
 
@@ -60,6 +61,7 @@ def save(
     files_per: str | None = None,
     host_size: int | None = None,
     snapshot: str = "blocking",
+    staging_max_bytes: int | None = None,
 ) -> SaveResult | SaveHandle:
     """Save ``state`` to the checkpoint directory ``path``; every rank must call it.
 
@@ -96,14 +98,21 @@ def save(
             the copy overlaps training; ``optimizer.step()`` and the forward of saved modules
             with buffers wait for it, any other in-place change of a saved tensor must call
             ``handle.wait_snapshot()`` first (docs/performance.md, "Overlapped snapshot").
+        staging_max_bytes: the most host memory this rank stages the save into (async saves,
+            device tensors; default ``BCP_STAGING_MAX_BYTES``, else one copy of the rank's
+            share). Below the share the copy runs in rounds that wait for the writer, so an
+            async save returns (blocking) or releases ``optimizer.step()`` (overlapped) only
+            after about the write of all but the last round (docs/performance.md).
 
     A save whose state structure is unchanged since this process group's last save reuses
     that save's plan and sends no planning messages (``SaveResult.cached_plan``).
     """
+    cap = None if staging_max_bytes is None else staging_cap(staging_max_bytes)
     opts = SaveOptions(framework=framework, step=check_step(step), user_metadata=dict(user_metadata or {}),
                        process_group=process_group, overwrite=overwrite, chunk_bytes=chunk_bytes,
                        fqn_map=fqn_map, async_save=async_save, files_per=files_per, host_size=host_size,
-                       snapshot=snapshot_mode(snapshot, async_save))
+                       snapshot=snapshot_mode(snapshot, async_save),
+                       staging_max_bytes=cap)
     return _save(path, state, opts)
 
 

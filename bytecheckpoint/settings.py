@@ -125,6 +125,10 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
     Setting("BCP_FILES_PER", "bytecheckpoint/engine/host_files.py", "rank",
             "default of save(files_per=): rank (a storage file per rank and kind) or host (per "
             "host and kind, hosts of BCP_COMM_HOST_SIZE / LOCAL_WORLD_SIZE ranks)"),
+    Setting("BCP_STAGING_MAX_BYTES", "bytecheckpoint/engine/staging_ring.py", "",
+            "the most host memory a save stages into per rank (default of save(staging_max_bytes=); "
+            "unset: one copy of the rank's share); below it the copy runs in rounds that wait for "
+            "the writer"),
     Setting("BCP_GC_PAUSE", "bytecheckpoint/runtime/gc_pause.py", "1",
             "0 keeps Python's garbage collector running during a save's foreground and loads"),
     Setting("BCP_STORAGE_RETRY_ATTEMPTS", _S3, "6", "attempts of a storage operation that fails transiently"),

@@ -40,6 +40,7 @@ class SaveOptions:
     files_per: str | None = None
     host_size: int | None = None
     snapshot: str = "blocking"  # async saves: "blocking" or "overlapped" (engine/snapshot.py)
+    staging_max_bytes: int | None = None  # host staging arena bound (engine/staging_ring.py)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,14 @@ from ..commit.integrity import (
     update_latest,
 )
 from ..commit.protocol import data_file_tag, prepare_target
-from ..errors import CheckpointExistsError, PlanningError, RankFailedError, StagingError, StorageError
+from ..errors import (
+    CheckpointExistsError,
+    InvalidArgumentError,
+    PlanningError,
+    RankFailedError,
+    StagingError,
+    StorageError,
+)
 from ..format import codec
 from ..format.boxes import Box
 from ..format.dtypes import dtype_name
@@ -61,13 +68,14 @@ from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
-from . import host_files, snapshot
+from . import host_files, snapshot, staging, staging_ring
 from .async_save import SaveHandle, set_pending, wait_pending
 from .host_files import HostLayout
 from .messages import Assign, Assignment, Committed, PlanRequest, Replan, SaveOptions, Totals, Written
 from .snapshot import SnapshotMode
 from .staging import Stager
-from .writer import Entry, rank_entries, tensor_bytes, write_rank
+from .staging_ring import CappedStager
+from .writer import KIND_ORDER, Entry, rank_entries, tensor_bytes, write_rank
 
 
 @dataclass
@@ -84,6 +92,7 @@ class SaveResult:
     duration_s: float
     phases: dict[str, float] = field(default_factory=dict)  # seconds on this rank
     cached_plan: bool = False  # the plan cache served this save (no planning messages)
+    staging_bytes: int = 0  # peak host arena bytes this rank staged into (0: wrote in place)
 
 
 @dataclass
@@ -304,36 +313,50 @@ class _Sources:
         self.thread: threading.Thread | None = None
         try:
             if stage or _needs_staging(views):
-                flat = job.flat.tensors if job.flat is not None else {}
-                owners = [flat.get(item.key) for item in assignment.items]  # a tensor, or a TensorShard
-                self.stager = Stager(views, [item.key for item in assignment.items],
-                                     [o if isinstance(o, torch.Tensor) else v for o, v in zip(owners, views)])
+                self.stager = _stager(job, assignment, views)
+        except StagingError as exc:
+            self.error = exc
+        except InvalidArgumentError as exc:
+            self.error = StagingError(str(exc))
+            self.error.__cause__ = exc
         except Exception as exc:
             self.error = StagingError(f"could not allocate host memory to stage this save's "
-                                      f"{len(views)} tensor piece(s): {exc}; free host memory or "
-                                      "save synchronously")
+                                      f"{len(views)} tensor piece(s): {exc}; free host memory, "
+                                      f"bound it with {staging_ring.SETTING}, or save synchronously")
             self.error.__cause__ = exc
         if self.stager is not None:
-            self.fns = [p.bytes for p in self.stager.pieces]
+            self.fns = self.stager.sources_for_writer
         else:
             self.fns = [lambda v=v: tensor_bytes(v) for v in views]
+
+    @property
+    def capped(self) -> bool:
+        """The copy runs in rounds through a bounded arena: the writer must run alongside."""
+        return isinstance(self.stager, CappedStager)
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def stage_in_background(self) -> None:
-        """Copy while the writer writes what has landed (synchronous saves of device tensors)."""
+    def stage_in_background(self, on_queued: Callable[[Any], None] | None = None,
+                            on_done: Callable[[], None] | None = None) -> None:
+        """Copy while the writer writes what has landed (synchronous saves of device tensors,
+        and bounded arenas); ``on_done`` runs once no copy is left."""
         if self.stager is None:
+            if on_done is not None:
+                on_done()
             return
         stager, device = self.stager, self.stager.device
 
         def run() -> None:
             with on_device(device):  # the caller's device: a new thread starts on cuda:0
                 try:
-                    stager.run()
+                    stager.run(on_queued=on_queued)
                 except BaseException:  # kept in stager.error; the pieces raise it to the writer
                     pass
+                finally:
+                    if on_done is not None:
+                        on_done()
 
         self.thread = threading.Thread(target=run, name="bcp-stage", daemon=True)
         self.thread.start()
@@ -346,6 +369,29 @@ class _Sources:
             self.stager.cancel()
             self.thread.join()
             self.thread = None
+
+
+def _stager(job: _Job, assignment: Assignment, views: list[torch.Tensor]) -> Stager:
+    """The stager of this save: the whole share in one arena, or rounds through a bounded one."""
+    flat = job.flat.tensors if job.flat is not None else {}
+    owners = [flat.get(item.key) for item in assignment.items]  # a tensor, or a TensorShard
+    owners = [o if isinstance(o, torch.Tensor) else v for o, v in zip(owners, views)]
+    names = [item.key for item in assignment.items]
+    cap = staging_ring.staging_cap(job.opts.staging_max_bytes)
+    need = sum(-(-v.numel() * v.element_size() // 64) * 64 for v in views)
+    if cap is None or need <= cap:
+        if cap is not None:
+            staging.pool(any(v.is_cuda for v in views)).bound(cap)
+        return Stager(views, names, owners)
+    if job.host is not None:
+        raise StagingError(f"{staging_ring.SETTING} / staging_max_bytes bounds the staging arena of "
+                           "files_per='rank' saves only (a host member streams whole pieces to its "
+                           "leader); unset it or save with files_per='rank'")
+    # Copy in the order the writers take pieces: kind by kind, plan order within a kind.
+    kinds = [KIND_ORDER.index(job.flat.kind_of(item.key)) if job.flat is not None else 0
+             for item in assignment.items]
+    order = sorted(range(len(views)), key=kinds.__getitem__)
+    return CappedStager(views, names, owners, cap, job.opts.chunk_bytes, order)
 
 
 def _prepare(job: _Job, assignment: Assignment) -> None:
@@ -383,6 +429,8 @@ def _write(job: _Job, assignment: Assignment, sources: _Sources, makedirs: bool
                              file_tag=data_file_tag(job.storage, job.opts.overwrite, assignment.save_id))
         return written, None
     except Exception as exc:
+        if sources.stager is not None:  # a bounded arena's copy would wait for this writer
+            sources.stager.cancel()
         return None, exc
     finally:
         job.phases["write"] = job.phases.get("write", 0.0) + time.perf_counter() - t
@@ -482,7 +530,8 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
         job.release()  # whatever happened, this save no longer holds its path
     mine_bytes = sum(f.size for f in written.files) if written else 0
     return SaveResult(job.url, job.opts.step, job.framework, mine_bytes, totals.total_bytes,
-                      totals.metadata_bytes, totals.files, time.perf_counter() - job.t0, job.phases, hit)
+                      totals.metadata_bytes, totals.files, time.perf_counter() - job.t0, job.phases, hit,
+                      sources.stager.peak_bytes if sources.stager is not None else 0)
 
 
 def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _Sources,
@@ -499,6 +548,9 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
 
     def work() -> SaveResult:
         t = time.perf_counter()
+        if sources.capped:  # rounds: the copy reuses memory the writer has drained
+            sources.stage_in_background(on_queued=publish, on_done=snap.finished)
+            return _finish(job, assignment, hit, sources)
         try:
             if stager is not None:
                 stager.run(on_queued=publish)
@@ -586,7 +638,9 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
         # A D2H copy is DMA: the writer may start on the first pieces while the rest are
         # copied. On CPU the copy and the writer would compete for the same cores while
         # training waits, so the writer starts once the snapshot is complete.
-        overlap = stager is not None and stager.cuda
+        # A bounded arena is reused round by round, so its writer must drain it meanwhile:
+        # save() returns once the last round is copied.
+        overlap = stager is not None and (stager.cuda or sources.capped)
         if overlap:
             handle._start(lambda: _finish(job, assignment, hit, sources), device)
         stage_error: BaseException | None = sources.error

@@ -86,6 +86,12 @@ class HostBufferPool:
             self.allocations += 1
         return self._arena[:nbytes]
 
+    def bound(self, nbytes: int) -> None:
+        """Drop the arena if it is larger than ``nbytes`` (a save with a staging cap must not
+        keep an earlier, larger save's arena alive)."""
+        if self.capacity > nbytes:
+            self._release()
+
     def _pin(self, arena: torch.Tensor) -> bool:
         try:
             code = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
@@ -176,6 +182,21 @@ class Stager:
 
     def __init__(self, sources: list[torch.Tensor], names: list[str] | None = None,
                  owners: list[torch.Tensor] | None = None) -> None:
+        self._init_common(sources, names, owners)
+        offsets, total = [], 0
+        for s in self.sources:
+            offsets.append(total)
+            total += -(-s.numel() * s.element_size() // _ALIGN) * _ALIGN
+        arena = pool(self.cuda).reserve(total)
+        self.peak_bytes = total  # what this save stages into (the pool may hold more)
+        self.pieces = [
+            StagedPiece(arena[o : o + s.numel() * s.element_size()], threading.Event())
+            for o, s in zip(offsets, self.sources)
+        ]
+        self.sources_for_writer = [p.bytes for p in self.pieces]
+
+    def _init_common(self, sources: list[torch.Tensor], names: list[str] | None,
+                     owners: list[torch.Tensor] | None) -> None:
         self.sources = [s.detach() for s in sources]
         self.names = names or [f"tensor piece {i}" for i in range(len(sources))]
         # A source is a plain view of the local shard, but a write to a DTensor bumps only the
@@ -188,16 +209,7 @@ class Stager:
         self._caller_streams = {d: torch.cuda.current_stream(d) for d in cuda_devices(self.sources)}
         self.error: BaseException | None = None
         self._cancelled = threading.Event()
-        offsets, total = [], 0
-        for s in self.sources:
-            offsets.append(total)
-            total += -(-s.numel() * s.element_size() // _ALIGN) * _ALIGN
         self.nbytes = sum(s.numel() * s.element_size() for s in self.sources)
-        arena = pool(self.cuda).reserve(total)
-        self.pieces = [
-            StagedPiece(arena[o : o + s.numel() * s.element_size()], threading.Event())
-            for o, s in zip(offsets, self.sources)
-        ]
 
     def run(self, on_queued: Any = None) -> None:
         """Copy every source; returns when the copies are done (on CUDA: synchronized).

@@ -95,7 +95,10 @@ def pieces_by_kind(pairs: list[tuple[Entry, Callable[[], memoryview]]]
     """Entries grouped into their storage file's kind, each with the piece that writes it."""
     by_kind: dict[str, list[tuple[Entry, Piece]]] = {k: [] for k in KIND_ORDER}
     for entry, source in pairs:
-        by_kind[entry.kind].append((entry, Piece(entry.name, entry.code, entry.shape, entry.nbytes, source)))
+        # A source staged through a bounded arena streams its bytes in parts (staging_ring).
+        piece = Piece(entry.name, entry.code, entry.shape, entry.nbytes, source,
+                      parts=getattr(source, "parts", None))
+        by_kind[entry.kind].append((entry, piece))
     return by_kind
 
 

@@ -1,0 +1,255 @@
+"""A staging arena smaller than the rank's share: the copy runs in arena-sized rounds.
+
+``BCP_STAGING_MAX_BYTES`` (or ``save(..., staging_max_bytes=)``) bounds the host memory an
+async save (or a save of device tensors) stages into. When the rank's share fits, nothing
+changes (``staging.Stager``). When it does not, ``CappedStager`` copies the pieces, cut into
+segments, into a ring of that many bytes, and a segment's memory is reused only after the
+writer has written it: the copy waits for the writer, so it takes about as long as the
+write instead of a memory copy. The snapshot is still the state at ``save()``: the version
+counters are checked around every piece, as in ``staging``.
+
+Segments are multiples of the checksum chunk (the writer checksums each block as it comes),
+and the copy follows the order the writers consume pieces in (kind by kind, plan order
+within a kind), so the ring never waits for a segment no writer will take next.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from telemetry import span
+
+from ..errors import InvalidArgumentError, StagingError
+from ..format.boxes import flat_range_boxes
+from ..runtime.devices import on_device
+from .staging import Stager, pool
+
+_ALIGN = 64
+SETTING = "BCP_STAGING_MAX_BYTES"
+
+
+def staging_cap(value: int | None = None) -> int | None:
+    """The arena bound: ``value`` if given, else ``BCP_STAGING_MAX_BYTES``; None: unbounded."""
+    if value is None:
+        raw = os.environ.get(SETTING, "").strip()
+        if not raw:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"{SETTING} = {raw!r} is not a whole number of bytes: unset it "
+                                       "or give the most host memory a save may stage into") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(f"staging_max_bytes = {value!r} is not a positive number of bytes: "
+                                   "give the most host memory a save may stage into, or leave it unset")
+    return value
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Ring:
+    """First in, first out allocation in a fixed arena; ``alloc`` waits for space."""
+
+    def __init__(self, capacity: int, cancelled: threading.Event) -> None:
+        self.capacity = capacity
+        self._cancelled = cancelled
+        self._cond = threading.Condition()
+        self._live: deque[list[Any]] = deque()  # [start, end, released], monotonic offsets
+        self._head = 0
+        self.peak = 0  # the most bytes of the arena in use at once (wrap-around waste counted)
+
+    def alloc(self, nbytes: int) -> tuple[int, list[Any]]:
+        need = -(-nbytes // _ALIGN) * _ALIGN
+        with self._cond:
+            while True:
+                pos = self._head % self.capacity
+                start = self._head if pos + need <= self.capacity else self._head + self.capacity - pos
+                tail = self._live[0][0] if self._live else start
+                if start + need - tail <= self.capacity:
+                    break
+                if self._cancelled.is_set():
+                    raise _Cancelled
+                self._cond.wait()
+            seg = [start, start + need, False]
+            self._live.append(seg)
+            self._head = start + need
+            self.peak = max(self.peak, self._head - tail)
+            return start % self.capacity, seg
+
+    def release(self, seg: list[Any]) -> None:
+        with self._cond:
+            seg[2] = True
+            while self._live and self._live[0][2]:
+                self._live.popleft()
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class _Segment:
+    """Elements [start, stop) of one source, once copied into the ring."""
+
+    __slots__ = ("start", "stop", "data", "slot", "ready", "event", "device", "failed", "error")
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.start, self.stop = start, stop
+        self.data: torch.Tensor | None = None
+        self.slot: list[Any] | None = None
+        self.ready = threading.Event()
+        self.event: Any = None
+        self.device: torch.device | None = None
+        self.failed = False
+        self.error: BaseException | None = None
+
+
+class RingPiece:
+    """A writer's source for one piece: ``parts()`` yields its segments as they land and
+    gives each one's memory back to the ring once the writer asks for the next."""
+
+    def __init__(self, stager: CappedStager, index: int) -> None:
+        self._stager, self._index = stager, index
+
+    def __call__(self) -> memoryview:
+        raise StagingError("a piece staged through a bounded arena is read in parts only; this "
+                           "save path cannot use BCP_STAGING_MAX_BYTES: unset it")
+
+    def parts(self) -> Iterator[memoryview]:
+        ring = self._stager.ring
+        for seg in self._stager.segments[self._index]:
+            seg.ready.wait()
+            if seg.failed:
+                if isinstance(seg.error, StagingError):
+                    raise seg.error
+                raise StagingError("staging the save's tensors into host memory failed; nothing "
+                                   f"from this save is written ({seg.error or 'the save stopped'})"
+                                   ) from seg.error
+            try:
+                if seg.event is not None:
+                    with on_device(seg.device):
+                        seg.event.synchronize()
+                assert seg.data is not None
+                yield memoryview(seg.data.numpy()) if seg.data.numel() else memoryview(b"")
+            finally:
+                if seg.slot is not None:
+                    ring.release(seg.slot)
+
+
+class CappedStager(Stager):
+    """``Stager`` through a ring of ``capacity`` bytes (less than the pieces need)."""
+
+    def __init__(self, sources: list[torch.Tensor], names: list[str], owners: list[torch.Tensor],
+                 capacity: int, chunk_bytes: int, order: list[int]) -> None:
+        self._init_common(sources, names, owners)
+        capacity = capacity // _ALIGN * _ALIGN
+        self.order = order  # copy order: the writers' consumption order
+        self.segments: list[list[_Segment]] = []
+        for s in self.sources:
+            size = s.element_size()
+            unit = math.lcm(chunk_bytes, size)  # a segment is whole chunks and whole elements
+            seg_bytes = (capacity // 4) // unit * unit or capacity // unit * unit
+            if seg_bytes == 0 and s.numel() * size > capacity:
+                raise StagingError(f"{SETTING} = {capacity} bytes is smaller than one checksum chunk "
+                                   f"({chunk_bytes} bytes) of {s.dtype}: raise it to at least "
+                                   f"{unit} bytes (better several chunks), or save with smaller chunk_bytes")
+            step = max(1, (seg_bytes or capacity) // size)
+            n = s.numel()
+            self.segments.append([_Segment(a, min(n, a + step)) for a in range(0, n, step)] or
+                                 [_Segment(0, 0)])
+        pool(self.cuda).bound(capacity)
+        self.ring = _Ring(capacity, self._cancelled)
+        self._arena = pool(self.cuda).reserve(capacity)
+        self.pieces = []
+        self.sources_for_writer = [RingPiece(self, i) for i in range(len(self.sources))]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes of the ring in use at once (at most its capacity)."""
+        return self.ring.peak
+
+    def run(self, on_queued: Any = None) -> None:
+        try:
+            with span("save.stage", bytes=self.nbytes, device="cuda" if self.cuda else "cpu",
+                      capped=self.ring.capacity):
+                with on_device(self.device):
+                    self._run(on_queued)
+        except _Cancelled:
+            pass
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self.fail(self.error)
+
+    def _run(self, on_queued: Any) -> None:
+        sides: dict[torch.device, Any] = {}
+        if self.cuda:
+            for dev, caller in self._caller_streams.items():
+                with torch.cuda.device(dev):
+                    sides[dev] = torch.cuda.Stream(dev)
+                    sides[dev].wait_stream(caller)
+        last: dict[torch.device, Any] = {}
+        for i in self.order:
+            src = self.sources[i]
+            self._check_unchanged(i)
+            for seg in self.segments[i]:
+                if self._cancelled.is_set():
+                    raise _Cancelled
+                nbytes = (seg.stop - seg.start) * src.element_size()
+                offset, seg.slot = self.ring.alloc(nbytes)
+                seg.data = self._arena[offset : offset + nbytes]
+                if src.is_cuda:
+                    dev = src.device
+                    with torch.cuda.device(dev), torch.cuda.stream(sides[dev]):
+                        src.record_stream(sides[dev])
+                        _copy_range(src, seg, non_blocking=True)
+                        seg.event = torch.cuda.Event(blocking=True)
+                        seg.event.record(sides[dev])
+                    seg.device, last[dev] = dev, seg.event
+                else:
+                    _copy_range(src, seg)
+                seg.ready.set()
+            if not src.is_cuda:
+                self._check_unchanged(i)  # a write during the copy
+        if on_queued is not None:
+            on_queued(dict(last))
+        for dev, event in last.items():
+            with torch.cuda.device(dev):
+                event.synchronize()
+
+    def cancel(self) -> None:
+        super().cancel()
+        self.ring.wake()
+
+    def fail(self, error: BaseException | None = None) -> None:
+        for segs in self.segments:
+            for seg in segs:
+                if not seg.ready.is_set():
+                    seg.failed, seg.error = True, error
+                    seg.ready.set()
+
+
+def _copy_range(src: torch.Tensor, seg: _Segment, non_blocking: bool = False) -> None:
+    """Copy elements [seg.start, seg.stop) of ``src`` (row-major) into ``seg.data``."""
+    if seg.stop == seg.start:
+        return
+    dst = seg.data.view(src.dtype)
+    if src.is_contiguous():
+        dst.copy_(src.reshape(-1)[seg.start : seg.stop], non_blocking=non_blocking)
+        return
+    pos = 0
+    for box in flat_range_boxes(tuple(src.shape), seg.start, seg.stop):
+        view = src[box.slices()]
+        n = view.numel()
+        dst[pos : pos + n].view(view.shape).copy_(view, non_blocking=non_blocking)
+        pos += n
