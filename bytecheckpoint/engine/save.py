@@ -116,6 +116,7 @@ class _Job:
     key: str = ""
     boxes_digest: bytes = b""
     global_plan: GlobalSavePlan | None = None  # coordinator, after planning
+    locators: list[Any] | None = None  # where each assigned item lies in the shards (_locate)
     lock: save_lock.SaveLock | None = None  # coordinator: held from begin_save to the commit's end
 
     def release(self) -> None:
@@ -124,12 +125,31 @@ class _Job:
             self.lock = None
 
 
-def _source_view(item: WriteItem, shards: list[LocalShard]) -> torch.Tensor:
-    """The view of this rank's data that holds ``item.box`` (a piece of a held box)."""
-    for shard in shards:
+Locator = tuple[int, "tuple[slice, ...] | None"]  # a held shard's index, the slices of it (None: all)
+
+
+def _locate(item: WriteItem, shards: list[LocalShard]) -> Locator:
+    """Where in this rank's shards of ``item.key`` the box ``item.box`` lies. A function of
+    the shards' boxes alone, which the plan cache's structure key covers, so a cache hit
+    reuses it."""
+    for i, shard in enumerate(shards):
+        if shard.box == item.box:
+            return i, None
         if shard.box.intersect(item.box) == item.box:
-            return shard.data[item.box.relative_to(shard.box).slices()]
+            return i, item.box.relative_to(shard.box).slices()
     raise RuntimeError(f"{item.key}: this rank holds no box containing {item.box}")
+
+
+def _source_views(job: _Job, items: list[WriteItem], locators: list[Locator] | None) -> list[torch.Tensor]:
+    """The views of this rank's live data that hold ``items``; ``job.locators`` keeps where."""
+    if locators is None or len(locators) != len(items):
+        locators = [_locate(item, job.shards[item.key]) for item in items]
+    job.locators = locators
+    views = []
+    for item, (i, sl) in zip(items, locators):
+        data = job.shards[item.key][i].data
+        views.append(data if sl is None else data[sl])
+    return views
 
 
 def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[str], str] | None) -> None:
@@ -145,8 +165,15 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
         items.extend(WriteItem(key, dtype, shape, s.box) for s in local)
         if not local:  # a rank may hold nothing of a tensor; still announce its shape
             items.append(WriteItem(key, dtype, shape, Box((0,) * len(shape), (0,) * len(shape))))
-    blobs = {f"shared:{k}": codec.encode(v) for k, v in flat.shared_objects.items()}
-    shared = {k[len("shared:") :]: (len(b), xxhash.xxh3_64_intdigest(b)) for k, b in blobs.items()}
+    # An optimizer's hyperparameters are one dict per group, shared by all of its parameters'
+    # entries: each object is encoded and hashed once (nothing changes it during the call).
+    packed: dict[int, tuple[bytes, tuple[int, int]]] = {}
+    blobs, shared = {}, {}
+    for k, v in flat.shared_objects.items():
+        if id(v) not in packed:
+            b = codec.encode(v)
+            packed[id(v)] = (b, (len(b), xxhash.xxh3_64_intdigest(b)))
+        blobs[f"shared:{k}"], shared[k] = packed[id(v)]
     blobs.update({f"rank:{k}": codec.encode(v) for k, v in flat.rank_objects.items()})
     own_bytes = sum(len(b) for k, b in blobs.items() if k.startswith("rank:"))
     job.flat, job.framework, job.blobs = flat, planner.name, blobs
@@ -306,8 +333,9 @@ class _Sources:
     and raised inside this rank's write, so it reaches every rank through the next collective
     instead of leaving the others waiting in it."""
 
-    def __init__(self, job: _Job, assignment: Assignment, stage: bool) -> None:
-        views = [_source_view(item, job.shards[item.key]) for item in assignment.items]
+    def __init__(self, job: _Job, assignment: Assignment, stage: bool,
+                 locators: list[Locator] | None = None) -> None:
+        views = _source_views(job, assignment.items, locators)
         self.stager: Stager | None = None
         self.error: StagingError | None = None
         self.thread: threading.Thread | None = None
@@ -488,7 +516,7 @@ def _commit_round(job: _Job, assignment: Assignment, written: RankWrite | None,
     assert job.local is not None
     plan_cache.put(comm.global_ranks, CacheEntry(
         job.key, assignment.plan_id, 0, assignment.items, assignment.shared_keys,
-        job.global_plan, template))
+        job.global_plan, template, job.locators))
     return final.value
 
 
@@ -619,7 +647,8 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
         job.phases["plan"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        sources = _Sources(job, assignment, stage=opts.async_save)
+        sources = _Sources(job, assignment, stage=opts.async_save,
+                           locators=entry.locators if hit and entry is not None else None)
         if not opts.async_save:
             sources.stage_in_background()
             result = _finish(job, assignment, hit, sources)

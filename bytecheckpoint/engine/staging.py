@@ -135,12 +135,35 @@ def pool(pinned: bool, purpose: str = "save") -> HostBufferPool:
         return _POOLS[key]
 
 
+class _Flag:
+    """A piece's "landed" flag: one condition shared by all pieces of a stager, where an
+    Event per piece (a lock and a condition each) cost milliseconds per save to create."""
+
+    __slots__ = ("_cond", "_set")
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self._cond, self._set = cond, False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._cond:
+            self._set = True
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        if not self._set:
+            with self._cond:
+                self._cond.wait_for(self.is_set)
+
+
 @dataclass
 class StagedPiece:
     """A copy of one source tensor in the arena; ``bytes()`` waits until it has landed."""
 
     data: torch.Tensor  # uint8 slice of the arena
-    _ready: threading.Event
+    _ready: _Flag
     _cuda_event: Any = None
     _device: torch.device | None = None  # of the event: waited on from any thread
     _failed: bool = False
@@ -189,8 +212,9 @@ class Stager:
             total += -(-s.numel() * s.element_size() // _ALIGN) * _ALIGN
         arena = pool(self.cuda).reserve(total)
         self.peak_bytes = total  # what this save stages into (the pool may hold more)
+        landed = threading.Condition()
         self.pieces = [
-            StagedPiece(arena[o : o + s.numel() * s.element_size()], threading.Event())
+            StagedPiece(arena[o : o + s.numel() * s.element_size()], _Flag(landed))
             for o, s in zip(offsets, self.sources)
         ]
         self.sources_for_writer = [p.bytes for p in self.pieces]

@@ -100,8 +100,9 @@ class FSDPAdapter(ModuleAdapter):
     def matches(self, module: nn.Module) -> bool:
         return any(isinstance(m, FSDP) for m in module.modules())
 
-    def entries(self, module: nn.Module, fqn_map: FqnMap) -> dict[str, tuple[str, Any]]:
-        out: dict[str, tuple[str, Any]] = {}
+    def entries(self, module: nn.Module, fqn_map: FqnMap, *, keep_vars: bool = False
+                ) -> dict[str, tuple[str, Any]]:
+        out: dict[str, tuple[str, Any]] = {}  # shards of the flat parameters: keep_vars is moot
         for prefix, handle in _fsdp_units(module):
             local = _local_shard(handle)
             shards = {p.fqn: _param_shard(local, p) for p in _orig_params(prefix, handle, fqn_map)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import marshal
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -37,6 +38,9 @@ class CacheEntry:
     shared_keys: list[str]
     plan: GlobalSavePlan | None = None  # coordinator only
     template: MetadataTemplate | None = None  # coordinator only
+    # Opaque to planning: the engine's per-item positions in the rank's shards, a function
+    # of the boxes the key covers (engine/save.py, _locate).
+    locators: list[Any] | None = None
 
     def save_id(self) -> str:
         """The id of the next save under this plan (the same on every rank)."""
