@@ -27,16 +27,17 @@ def _ingester(tmp_path: Path, **kw) -> Ingester:
 
 
 def test_ingester_backs_off_exponentially_then_gives_up_with_a_named_error(tmp_path, caplog):
-    ingester = _ingester(tmp_path, retry_s=(0.1, 0.4), retry_for_s=1.5)
+    # 3 s leaves room for four waits (1.1 s) even when each refused connect is slow (a busy machine)
+    ingester = _ingester(tmp_path, retry_s=(0.1, 0.4), retry_for_s=3.0)
     caplog.set_level(logging.WARNING, logger="telemetry.ingest")
     start = time.monotonic()
-    with pytest.raises(StoreUnavailableError, match="stayed unreachable for 2s.*a rerun resumes there"):
+    with pytest.raises(StoreUnavailableError, match="stayed unreachable for 3s.*a rerun resumes there"):
         ingester.insert(Batch([dict(EVENT)], position=1), threading.Event())
     took = time.monotonic() - start
     waits = [float(w) for w in re.findall(r"retrying in ([0-9.]+)s", caplog.text)]
     assert waits[:4] == [0.1, 0.2, 0.4, 0.4], waits  # doubling from the first wait, capped
     assert all(w <= 0.4 for w in waits), waits  # the last one is cut to the deadline
-    assert 1.5 <= took < 6, took
+    assert 3.0 <= took < 10, took
     assert ingester.stats.insert_failures == len(waits) + 1
 
 
@@ -93,7 +94,7 @@ def test_kafka_sink_spaces_reconnects_exponentially_and_resets_after_success(tmp
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert len(gaps) >= 4, gaps
     for gap, due in zip(gaps, [0.1, 0.2, 0.3, 0.3]):
-        assert due <= gap < due + 0.15, gaps
+        assert due <= gap < due + 0.5, gaps  # never early; late only by the scheduler's delay
     up["now"] = True
     time.sleep(0.35)
     sink.emit([dict(EVENT)])
@@ -101,7 +102,8 @@ def test_kafka_sink_spaces_reconnects_exponentially_and_resets_after_success(tmp
     up["now"] = False
     sink.emit([dict(EVENT)])  # the send fails: the broker is marked down
     failed_at, before = time.monotonic(), len(tries)
-    emit_for(0.3)
+    emit_for(0.6)
     assert len(tries) > before, "it reconnects"
-    assert 0.1 <= tries[before] - failed_at < 0.2, "the backoff starts over after a success"
+    # 0.1 s again, not the 0.3 s cap reached before: under 0.3 s tells the two apart
+    assert 0.1 <= tries[before] - failed_at < 0.3, "the backoff starts over after a success"
     sink.close()
