@@ -237,7 +237,8 @@ def test_step_time_is_recorded_as_train_step_spans_when_asked(tmp_path):
 
     import telemetry
 
-    spool = os.environ["BCP_TELEMETRY_DIR"]
+    spool = str(tmp_path / "spool")
+    telemetry.configure(spool_dir=spool, enabled=True)  # its own spool, whatever tests before it set
     run = f"manager-steps-{os.getpid()}-{time.time_ns()}"
     with telemetry.context(run=run), bcp.CheckpointManager(str(tmp_path / "run"), save_every_steps=100,
                                                            record_step_time=True) as mgr:
