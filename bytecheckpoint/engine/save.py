@@ -23,6 +23,7 @@ assignment, done (committed), or plan again.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -61,7 +62,7 @@ from ..format.metadata import METADATA_FILE
 from ..planners import LocalShard, get_planner
 from ..planning import plan_cache
 from ..planning.global_plan import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
-from ..planning.plan_cache import CacheEntry, boxes_digest, structure_key
+from ..planning.plan_cache import CacheEntry, rows_digest, structure_key
 from ..planning.save_metadata import RankWrite, build_metadata, metadata_template
 from ..runtime.comm import Communicator, Outcome, summarize_failures
 from ..runtime.devices import on_device
@@ -117,6 +118,7 @@ class _Job:
     boxes_digest: bytes = b""
     global_plan: GlobalSavePlan | None = None  # coordinator, after planning
     locators: list[Any] | None = None  # where each assigned item lies in the shards (_locate)
+    rows: list[Any] | None = None  # the local plan's items as tuples, until _local_plan makes them
     lock: save_lock.SaveLock | None = None  # coordinator: held from begin_save to the commit's end
 
     def release(self) -> None:
@@ -156,15 +158,15 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     comm = job.comm
     flat = flatten_state(state, fqn_map=fqn_map)
     planner = get_planner(framework, flat, comm)
-    items: list[WriteItem] = []
+    rows: list[tuple[str, str, tuple[int, ...], Box]] = []  # the local plan's items, as tuples
     for key, tensor in flat.tensors.items():
         local = planner.pieces(key, tensor)
         job.shards[key] = local
         dtype = dtype_name(tensor.dtype)
         shape = planner.global_shape(tensor)
-        items.extend(WriteItem(key, dtype, shape, s.box) for s in local)
+        rows.extend((key, dtype, shape, s.box) for s in local)
         if not local:  # a rank may hold nothing of a tensor; still announce its shape
-            items.append(WriteItem(key, dtype, shape, Box((0,) * len(shape), (0,) * len(shape))))
+            rows.append((key, dtype, shape, Box((0,) * len(shape), (0,) * len(shape))))
     # An optimizer's hyperparameters are one dict per group, shared by all of its parameters'
     # entries: each object is encoded and hashed once (nothing changes it during the call).
     packed: dict[int, tuple[bytes, tuple[int, int]]] = {}
@@ -178,8 +180,18 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     own_bytes = sum(len(b) for k, b in blobs.items() if k.startswith("rank:"))
     job.flat, job.framework, job.blobs = flat, planner.name, blobs
     job.layout = planner.layout(flat, comm)
-    job.local = LocalSavePlan(comm.rank, items, own_bytes, shared)
-    job.boxes_digest = boxes_digest(items)
+    # The items themselves are made only if the plan cache misses (_local_plan).
+    job.local = LocalSavePlan(comm.rank, [], own_bytes, shared)
+    job.rows = rows
+    job.boxes_digest = rows_digest(rows)
+
+
+def _local_plan(job: _Job) -> LocalSavePlan:
+    assert job.local is not None
+    if job.rows is not None:
+        job.local = dataclasses.replace(job.local, items=[WriteItem(*r) for r in job.rows])
+        job.rows = None
+    return job.local
 
 
 # -- the coordinator's side of the first round -----------------------------------------------
@@ -302,8 +314,7 @@ def _first_round(job: _Job, mine: Outcome, local_error: BaseException | None) ->
 
 
 def _plan_outcome(job: _Job) -> Outcome:
-    assert job.local is not None
-    return Outcome(value=PlanRequest(job.local, job.opts.async_save))
+    return Outcome(value=PlanRequest(_local_plan(job), job.opts.async_save))
 
 
 def _plan(job: _Job, local_error: BaseException | None) -> Assignment:

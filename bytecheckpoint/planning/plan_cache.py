@@ -50,9 +50,15 @@ class CacheEntry:
 def boxes_digest(items: list[WriteItem]) -> bytes:
     """A digest of a local plan's boxes (key, dtype, global shape, offsets, lengths), taken
     while the local plan is collected so that a cache hit has nothing left to walk."""
+    return rows_digest([(i.key, i.dtype, i.shape, i.box) for i in items])
+
+
+def rows_digest(rows: list[tuple[str, str, tuple[int, ...], Any]]) -> bytes:
+    """:func:`boxes_digest` of ``(key, dtype, global shape, box)`` rows, the same value as of
+    the ``WriteItem`` s they make: a save builds the items only when it must plan."""
     # marshal: one C-level serialisation of plain tuples (the digest never leaves this process)
     return xxhash.xxh3_128_digest(marshal.dumps(
-        [(i.key, i.dtype, i.shape, i.box.offsets, i.box.lengths) for i in items]))
+        [(k, d, s, b.offsets, b.lengths) for k, d, s, b in rows]))
 
 
 def structure_key(local: LocalSavePlan, boxes: bytes, *, framework: str, layout: dict,
