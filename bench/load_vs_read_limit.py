@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/load_vs_read_limit.py                          # 0.36 GB, ~2 min
     .venv/bin/python bench/load_vs_read_limit.py --models 1.3gb,3.56gb --reps 3 --profile
+    .venv/bin/python bench/load_vs_read_limit.py --variant before:BCP_LOAD_EARLY=0 --variant after
 
 For each model (``--models``; the GPT + AdamW workloads of bench/train_loop_cost.py), FSDP2
 on 4 CPU processes (gloo) saves one checkpoint. Then, ``--reps`` times, with the page cache
@@ -235,8 +236,31 @@ def limits(files: list[tuple[str, int]], engine_streams: int, sweep: bool) -> di
     return out
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``NAME`` or ``NAME:ENV=V,ENV=V`` -> {name: environment}; loads alternate between them."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, _, env = spec.partition(":")
+        out[name] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+    return out or {"default": {}}
+
+
+def cold_load_as(variant: dict[str, str], state: dict[str, Any], path: str,
+                 files: list[tuple[str, int]]) -> dict[str, float]:
+    saved = {k: os.environ.get(k) for k in variant}
+    os.environ.update(variant)
+    try:
+        return cold_load(state, path, files)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def worker(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int, save: bool,
-           profile: bool, out_file: str) -> None:
+           profile: bool, out_file: str, variants: dict[str, dict[str, str]]) -> None:
     import bytecheckpoint as bcp
     from bytecheckpoint.engine.load import share_of_host
 
@@ -249,18 +273,23 @@ def worker(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: in
     dist.barrier()
     files = data_files(path)
     engine_streams = world * share_of_host(world)
-    res: dict[str, Any] = {"limits": [], "loads": [], "engine_streams": engine_streams,
+    res: dict[str, Any] = {"limits": [], "loads": {v: [] for v in variants}, "engine_streams": engine_streams,
                            "bytes": sum(n for _, n in files), "files": len(files)}
+    names = list(variants)
     for rep in range(reps):
-        # the order alternates: limit first, then load; then load first
+        # the order alternates: limit first, then loads; then loads first; variants rotate
         first_load = rep % 2 == 1
+        order = names[rep % len(names):] + names[:rep % len(names)]
         if first_load:
-            res["loads"].append(cold_load(state, path, files))
+            for v in order:
+                res["loads"][v].append(cold_load_as(variants[v], state, path, files))
         res["limits"].append(limits(files, engine_streams, sweep=True))
         if not first_load:
-            res["loads"].append(cold_load(state, path, files))
+            for v in order:
+                res["loads"][v].append(cold_load_as(variants[v], state, path, files))
         if rank == 0:
-            print(f"  world {world}, rep {rep + 1}/{reps}: load {res['loads'][-1]['s']:.2f} s", flush=True)
+            print(f"  world {world}, rep {rep + 1}/{reps}: load "
+                  + ", ".join(f"{v} {res['loads'][v][-1]['s']:.2f} s" for v in names), flush=True)
     if profile:
         res["profile"] = profiled_load(state, path, files)
     if rank == 0:
@@ -387,6 +416,9 @@ def profiled_load(state: dict[str, Any], path: str, files: list[tuple[str, int]]
                  "size_median": statistics.median(sizes) if sizes else 0,
                  "size_min": sizes[0] if sizes else 0, "size_max": sizes[-1] if sizes else 0},
         "intervals": [(a, b) for a, b, _, _ in reads],
+        # when this rank's first tensor read (>= 4 MiB) began, and its last ended, from the load's start
+        "first_read_s": min((a for a, _, n, _ in reads if n >= READ_CALL), default=t1) - t0,
+        "last_read_s": max((b for _, b, _, _ in reads), default=t1) - t0,
         "main_thread_top": text.getvalue(),
     }
     mine["plan_steps"] = {k: sum(b - a for a, b, _, _ in rec.calls.get(k, [])) for k in
@@ -413,18 +445,19 @@ def med(xs: list[float]) -> float:
 
 def report_layout(name: str, res: dict[str, Any]) -> list[str]:
     gb = res["bytes"] / 1e9
-    loads = [x["s"] for x in res["loads"]]
-    load_gbps = med([x["bytes"] / x["s"] / 1e9 for x in res["loads"]])
     counts = sorted({int(k) for lim in res["limits"] for k in lim if k != "how"})
     per_s = {s: med([lim[str(s)] if str(s) in lim else lim[s] for lim in res["limits"]]) for s in counts}
     best_s = max(per_s, key=lambda s: per_s[s])
     eng = res["engine_streams"]
-    lines = [f"  {name}: {gb:.2f} GB in {res['files']} files; cold load median {med(loads):.2f} s "
-             f"(of {len(loads)}) = {load_gbps:.2f} GB/s; peak extra host memory per rank "
-             f"{med([x['mem_kb'] for x in res['loads']]) / 1024:.0f} MB",
-             "    read limit, GB/s by streams: " + ", ".join(f"{s}: {v:.2f}" for s, v in per_s.items()),
-             f"    load / limit with the engine's {eng} streams: {load_gbps / per_s[eng]:.0%}; "
-             f"/ best ({best_s} streams): {load_gbps / per_s[best_s]:.0%}"]
+    lines = [f"  {name}: {gb:.2f} GB in {res['files']} files",
+             "    read limit, GB/s by streams: " + ", ".join(f"{s}: {v:.2f}" for s, v in per_s.items())]
+    for variant, loads in res["loads"].items():
+        load_gbps = med([x["bytes"] / x["s"] / 1e9 for x in loads])
+        lines.append(
+            f"    {variant}: cold load median {med([x['s'] for x in loads]):.2f} s (of {len(loads)}) = "
+            f"{load_gbps:.2f} GB/s; / limit with the engine's {eng} streams: {load_gbps / per_s[eng]:.0%}; "
+            f"/ best ({best_s} streams): {load_gbps / per_s[best_s]:.0%}; peak extra host memory per "
+            f"rank {med([x['mem_kb'] for x in loads]) / 1024:.0f} MB")
     return lines
 
 
@@ -435,7 +468,8 @@ def report_profile(name: str, prof: dict[str, Any]) -> list[str]:
     for rank, r in enumerate(prof["ranks"]):
         rd = r["read"]
         lines.append(
-            f"    rank {rank}: wall {r['wall_s']:.2f} s, phases "
+            f"    rank {rank}: wall {r['wall_s']:.2f} s, reads from {r['first_read_s']:.2f} to "
+            f"{r['last_read_s']:.2f} s, phases "
             + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
             + f"; reads {rd['calls']} calls on {rd['threads']} threads, median "
             f"{rd['size_median'] / 2**20:.1f} MiB ({rd['size_min'] / 2**20:.2f}-"
@@ -455,6 +489,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="one instrumented load per layout")
     parser.add_argument("--profile-json", default=None)
     parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME or NAME:ENV=V,ENV=V (repeatable): loads under each environment, "
+                        "side by side, e.g. --variant before:BCP_LOAD_EARLY=0 --variant after")
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "bcp-bench-read"))
     args = parser.parse_args()
     root = os.path.abspath(args.dir)
@@ -470,7 +507,8 @@ def main() -> None:
         for world, save in ((4, True), (2, False)):
             out = f"{root}/w{world}.json"
             mp.start_processes(worker, nprocs=world, start_method="spawn",
-                               args=(world, free_port(), cfg, path, args.reps, save, args.profile, out))
+                               args=(world, free_port(), cfg, path, args.reps, save, args.profile, out,
+                                     parse_variants(args.variant)))
             runs[f"4->{world}"] = json.load(open(out))
         everything[name] = runs
         how = runs["4->4"]["limits"][0]["how"]

@@ -4,6 +4,9 @@
   2. match                flatten the target state; check keys, shapes and dtypes
   3. plan reads           intersect each target box with the saved boxes of its tensor; the
                           byte range needed of each (widened to whole checksum chunks)
+  early                   reads of the boxes this rank is certain to read (what it needs of the
+                          files it is the preferred reader of: ``read_plan.preferred_readers``)
+                          and the file size/header check start here, in the background
   4. agree                one all-gather of every rank's keys and byte ranges; every rank
                           derives the same read plan: each needed byte read by one rank
   5. read + exchange      ranged, verified reads on a thread pool; units other ranks need are
@@ -16,8 +19,11 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +54,8 @@ from ..runtime.gc_pause import gc_paused
 from ..state.flatten import FlatState, flatten_state
 from ..storage import Storage
 from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects
-from .load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
-from .read_plan import Need, plan_reads
+from .load_pipeline import BoxRead, Copy, LoadPipeline, Prefetch, direct_target
+from .read_plan import Need, plan_reads, preferred_readers
 from .transport import choose as choose_transport
 
 _MAX_LISTED = 20
@@ -73,6 +79,12 @@ def read_threads_setting() -> int | None:
         raise ValueError(f"BCP_LOAD_THREADS = {raw!r} is not a positive integer: unset it or give "
                          "the reader threads per rank")
     return value
+
+
+def early_setting() -> bool:
+    """``BCP_LOAD_EARLY``: "0" turns off the work a load starts before its plan is agreed
+    (reads of certain boxes, the file check in the background); the benchmark's baseline."""
+    return os.environ.get("BCP_LOAD_EARLY", "1").strip() != "0"
 
 
 def share_of_host(ranks_on_host: int) -> int:
@@ -286,13 +298,44 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
         check_rank_objects(meta, flat.rank_objects, source_rank, source)
         check_shared_objects(meta, flat.shared_objects, source)
         check_coverage(wanted_targets, reads.values(), source)
-        try:
-            check_file_sizes(storage, path, meta, {r.file for r in reads.values()}, headers=verify)
-        except CorruptCheckpointError as exc:
-            _check_unchanged(storage, path, identity, exc)
-            raise
     needs = [Need(f, r.byte_offset, r.byte_length, r.lo, r.hi) for (f, _), r in reads.items()]
     return _LocalPlan(storage, path, meta, flat, reads, needs, problems, identity, verify)
+
+
+def _check_files(plan: _LocalPlan) -> None:
+    """Every storage file this rank reads has the recorded size and header (see
+    ``check_file_sizes``); run while the certain boxes are already being read."""
+    with span("load.check_files"):
+        try:
+            check_file_sizes(plan.storage, plan.path, plan.meta, {r.file for r in plan.reads.values()},
+                             headers=plan.verify)
+        except CorruptCheckpointError as exc:
+            _check_unchanged(plan.storage, plan.path, plan.identity, exc)
+            raise
+
+
+def _preferred(plan: _LocalPlan, world: int) -> list[int] | None:
+    return preferred_readers([f.rank for f in plan.meta.files], plan.meta.world_size, world)
+
+
+def _prefetch(plan: _LocalPlan, rank: int, world: int, xdev: torch.device | None, threads: int | None
+              ) -> Prefetch | None:
+    """Start reading the boxes this rank is certain to read (``Prefetch``): over gloo only,
+    where every box of a CPU target stays where it was read (NCCL stages exchanged boxes on
+    the device), and not when ``BCP_LOAD_EARLY=0``."""
+    if xdev is not None or not early_setting():
+        return None
+    writers = _preferred(plan, world)
+    if writers is None:
+        return None
+    keys = [k for k, r in plan.reads.items()  # keyed by (file index, byte offset)
+            if r.box is not None and r.direct is not None and r.hi > r.lo and writers[k[0]] == rank]
+    if not keys:
+        return None
+    # Threads as asked for, else one: the ranks of a host are not known before the all-gather,
+    # and one stream per rank is the host's share (READ_THREADS_PER_HOST) with 4 ranks.
+    return Prefetch(plan.storage, plan.path, plan.reads, keys, verify=plan.verify,
+                    chunk_bytes=plan.meta.chunk_bytes, threads=threads or 1)
 
 
 def _exchange_device(plan: _LocalPlan, process_group: Any) -> torch.device | None:
@@ -338,6 +381,53 @@ def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Commu
 def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: bool,
                 comm: Communicator, verify: bool, threads: int | None, phases: dict[str, float],
                 fqn_map: Callable[[str], str] | None, process_group: Any) -> LoadResult:
+    early = _Early()
+    try:
+        return _load_planned(url, state, framework, strict, comm, verify, threads, phases, fqn_map,
+                             process_group, early)
+    finally:
+        early.close()
+
+
+@dataclass
+class _Early:
+    """What a load starts before the plan is agreed: the reads of boxes this rank is certain
+    to read, and the file size and header check (cold reads that, run in line, kept the
+    all-gather waiting for the slowest rank's: 0.14-0.26 s beside the early reads)."""
+
+    prefetch: Prefetch | None = None
+    files_checked: Future | None = None
+
+    def check_files(self, plan: _LocalPlan) -> None:
+        self.files_checked = Future()
+        threading.Thread(target=_run_into, args=(self.files_checked, _check_files, plan),
+                         name="bcp-check-files", daemon=True).start()
+
+    def files_error(self) -> BaseException | None:
+        """Waits for the file check; its error, if any."""
+        return None if self.files_checked is None else self.files_checked.exception()
+
+    def close(self) -> None:
+        """Nothing started here outlives the load."""
+        if self.prefetch is not None:
+            self.prefetch.close()
+        if self.files_checked is not None:
+            futures_wait([self.files_checked])
+
+
+def _run_into(future: Future, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except BaseException as exc:  # handed to the thread that waits for it
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+
+
+def _load_planned(url: str, state: dict[str, Any], framework: str | None, strict: bool,
+                  comm: Communicator, verify: bool, threads: int | None, phases: dict[str, float],
+                  fqn_map: Callable[[str], str] | None, process_group: Any, early: _Early
+                  ) -> LoadResult:
     t = time.perf_counter()
     local_error: BaseException | None = None
     xdev: torch.device | None = None
@@ -345,6 +435,11 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
         threads = threads or read_threads_setting()
         plan = _plan_local(url, state, framework, comm, verify, fqn_map)
         xdev = _exchange_device(plan, process_group)
+        early.prefetch = _prefetch(plan, comm.rank, comm.world_size, xdev, threads)
+        if early_setting():
+            early.check_files(plan)
+        else:  # in line, before the all-gather, as loads did before (the benchmark's baseline)
+            _check_files(plan)
         mine = Outcome(value={"wanted": _wanted(plan.flat), "groups": set(plan.flat.kinds),
                               "prefixes": plan.flat.accept_prefixes, "needs": plan.needs,
                               "problems": bool(plan.problems), "host": socket.gethostname(),
@@ -370,7 +465,7 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
     if failed:
         raise RankFailedError(f"checkpoint load failed: shape or dtype mismatch on rank(s) {failed}",
                               {r: "shape or dtype mismatch" for r in failed})
-    units = plan_reads([v["needs"] for v in values])
+    units = plan_reads([v["needs"] for v in values], _preferred(plan, comm.world_size))
     if threads is None:
         threads = share_of_host(sum(v["host"] == values[comm.rank]["host"] for v in values))
     phases["plan"] = time.perf_counter() - t
@@ -384,6 +479,9 @@ def _load_local(url: str, state: dict[str, Any], framework: str | None, strict: 
         rank=comm.rank, group=transport.group, global_rank=lambda r: comm.global_ranks[r],
         threads=threads, verify=plan.verify, chunk_bytes=plan.meta.chunk_bytes, device=transport.device,
         batched=transport.batched, control=comm.group, distributed=comm.distributed,
+        prefetched=early.prefetch.futures if early.prefetch is not None else None,
+        # A file that fails its check stops every rank at the first window's agreement.
+        failed=early.files_error(),
     )
     outcome = pipeline.run()
     phases["read"] = time.perf_counter() - t

@@ -3,14 +3,17 @@
 Every rank says which byte ranges of which saved boxes it needs (``Need``). All ranks
 compute the same plan from the same gathered needs: per saved box, the needed ranges are
 cut at every rank's boundaries into pieces with one set of needing ranks each (``ReadUnit``);
-one of those ranks reads the piece (largest pieces first, to the least-loaded needer) and
-sends it to the others. Pure functions, so the plan is tested without processes.
+one of those ranks reads the piece and sends it to the others: the rank that wrote the box's
+file when it needs the piece (so a rank knows, before the plan is agreed, that it will read
+what it needs of its own files, and can start: ``load_pipeline.Prefetch``), else the
+least-loaded needer, largest pieces first. Pure functions, so the plan is tested without
+processes.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -82,8 +85,22 @@ def _pieces(needs: list[tuple[int, int, int]]) -> Iterator[tuple[int, int, tuple
         yield current
 
 
-def plan_reads(needs_per_rank: list[Iterable[Need]]) -> list[ReadUnit]:
-    """The read units of a load, in file order; identical on every rank for the same input."""
+def preferred_readers(file_ranks: Sequence[int], saved_world: int, world: int) -> list[int] | None:
+    """The rank that reads what it needs of each file first (``plan_reads``' ``writers``): its
+    writer, folded onto a smaller world (``writer % world``), so each rank of the load starts
+    on the files of ``saved_world / world`` writers. None when the world grew: the writers
+    alone would leave the new ranks nothing to read of a replicated checkpoint."""
+    if world < 1 or saved_world < world:
+        return None
+    return [r % world for r in file_ranks]
+
+
+def plan_reads(needs_per_rank: list[Iterable[Need]], writers: Sequence[int] | None = None) -> list[ReadUnit]:
+    """The read units of a load, in file order; identical on every rank for the same input.
+
+    ``writers[f]`` is the rank that wrote file ``f``: every piece that rank needs is its own to
+    read (see the module docstring); the other pieces go largest first to the least-loaded
+    needer (worst-fit), as the save plan balances writes."""
     by_box: dict[tuple[int, int, int], list[tuple[int, int, int]]] = defaultdict(list)
     for rank, needs in enumerate(needs_per_rank):
         for n in needs:
@@ -99,9 +116,9 @@ def plan_reads(needs_per_rank: list[Iterable[Need]]) -> list[ReadUnit]:
             raw.append((file, off, length, start, stop, ranks))
     load = [0] * len(needs_per_rank)
     units: list[ReadUnit] = []
-    # Largest first to the least-loaded needer (worst-fit), as the save plan balances writes.
     for file, off, length, start, stop, ranks in sorted(raw, key=lambda u: (u[3] - u[4], u[:4])):
-        reader = min(ranks, key=lambda r: (load[r], r))
+        writer = writers[file] if writers is not None and 0 <= file < len(writers) else -1
+        reader = writer if writer in ranks else min(ranks, key=lambda r: (load[r], r))
         load[reader] += stop - start
         units.append(ReadUnit(file, off, length, start, stop, reader,
                               tuple(r for r in ranks if r != reader)))
