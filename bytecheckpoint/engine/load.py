@@ -332,10 +332,16 @@ def _prefetch(plan: _LocalPlan, rank: int, world: int, xdev: torch.device | None
             if r.box is not None and r.direct is not None and r.hi > r.lo and writers[k[0]] == rank]
     if not keys:
         return None
-    # Threads as asked for, else one: the ranks of a host are not known before the all-gather,
-    # and one stream per rank is the host's share (READ_THREADS_PER_HOST) with 4 ranks.
+    # Threads as asked for, else this rank's share of the host's: the ranks on the host are
+    # known only after the all-gather, so torchrun's LOCAL_WORLD_SIZE, else the world (which
+    # can only make the share smaller).
     return Prefetch(plan.storage, plan.path, plan.reads, keys, verify=plan.verify,
-                    chunk_bytes=plan.meta.chunk_bytes, threads=threads or 1)
+                    chunk_bytes=plan.meta.chunk_bytes, threads=threads or share_of_host(_local_ranks(world)))
+
+
+def _local_ranks(world: int) -> int:
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return min(world, int(raw)) if raw.isdigit() and int(raw) > 0 else world
 
 
 def _exchange_device(plan: _LocalPlan, process_group: Any) -> torch.device | None:
