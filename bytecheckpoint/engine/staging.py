@@ -221,7 +221,9 @@ class Stager:
 
     def _init_common(self, sources: list[torch.Tensor], names: list[str] | None,
                      owners: list[torch.Tensor] | None) -> None:
-        self.sources = [s.detach() for s in sources]
+        # Only what autograd tracks needs detaching (a copy from it would record a graph);
+        # detach() costs microseconds per tensor, every save.
+        self.sources = [s.detach() if s.requires_grad else s for s in sources]
         self.names = names or [f"tensor piece {i}" for i in range(len(sources))]
         # A source is a plain view of the local shard, but a write to a DTensor bumps only the
         # wrapper's counter: the tensor of the state each piece comes from is watched as well.
