@@ -304,14 +304,14 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
 
 def _check_files(plan: _LocalPlan) -> None:
     """Every storage file this rank reads has the recorded size and header (see
-    ``check_file_sizes``); run while the certain boxes are already being read."""
-    with span("load.check_files"):
-        try:
-            check_file_sizes(plan.storage, plan.path, plan.meta, {r.file for r in plan.reads.values()},
-                             headers=plan.verify)
-        except CorruptCheckpointError as exc:
-            _check_unchanged(plan.storage, plan.path, plan.identity, exc)
-            raise
+    ``check_file_sizes``); run while the certain boxes are already being read (its storage
+    operations report their own spans)."""
+    try:
+        check_file_sizes(plan.storage, plan.path, plan.meta, {r.file for r in plan.reads.values()},
+                         headers=plan.verify)
+    except CorruptCheckpointError as exc:
+        _check_unchanged(plan.storage, plan.path, plan.identity, exc)
+        raise
 
 
 def _preferred(plan: _LocalPlan, world: int) -> list[int] | None:
