@@ -390,7 +390,7 @@ class _Sources:
         def run() -> None:
             with on_device(device):  # the caller's device: a new thread starts on cuda:0
                 try:
-                    stager.run(on_queued=on_queued)
+                    stager.run(on_queued) if on_queued is not None else stager.run()
                 except BaseException:  # kept in stager.error; the pieces raise it to the writer
                     pass
                 finally:
