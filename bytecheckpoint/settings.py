@@ -113,6 +113,9 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
     Setting("BCP_LOAD_THREADS", "bytecheckpoint/engine/load.py", "4 / ranks on the host",
             "reader threads per rank during a load (each large read is split again into "
             "BCP_STORAGE_THREADS parts)"),
+    Setting("BCP_LOAD_EARLY", "bytecheckpoint/engine/load.py", "1",
+            "0: a load reads nothing before its plan is agreed (the order before early reads; for "
+            "comparison and as a way out)"),
     Setting("BCP_COMM_TREE", "bytecheckpoint/runtime/comm.py", "",
             "1: save/load coordination through a tree of host leaders; 0: flat; unset: tree from "
             "BCP_COMM_TREE_MIN_WORLD ranks"),

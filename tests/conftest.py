@@ -27,7 +27,7 @@ _POOLS: dict[int, WorldPool] = {}
 
 # The folder a test lives in is its tier, and its marker: `pytest -m unit` is the fast tier
 # (no processes, no servers), `-m "not integration and not e2e"` skips the real servers.
-TIERS = ("unit", "dist", "integration", "e2e", "fuzz")
+TIERS = ("unit", "distributed", "integration", "e2e", "fuzz")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

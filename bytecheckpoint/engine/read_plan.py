@@ -88,11 +88,14 @@ def _pieces(needs: list[tuple[int, int, int]]) -> Iterator[tuple[int, int, tuple
 def preferred_readers(file_ranks: Sequence[int], saved_world: int, world: int) -> list[int] | None:
     """The rank that reads what it needs of each file first (``plan_reads``' ``writers``): its
     writer, folded onto a smaller world (``writer % world``), so each rank of the load starts
-    on the files of ``saved_world / world`` writers. None when the world grew: the writers
-    alone would leave the new ranks nothing to read of a replicated checkpoint."""
+    on the files of ``saved_world / world`` writers. None when some rank of the load would be
+    no file's reader: when the world grew (the new ranks would read nothing of a replicated
+    checkpoint) or when fewer ranks wrote files (``files_per="host"``: only host leaders
+    write), where the balanced rule keeps every rank reading."""
     if world < 1 or saved_world < world:
         return None
-    return [r % world for r in file_ranks]
+    readers = [r % world for r in file_ranks]
+    return readers if set(readers) == set(range(world)) else None
 
 
 def plan_reads(needs_per_rank: list[Iterable[Need]], writers: Sequence[int] | None = None) -> list[ReadUnit]:

@@ -3,7 +3,7 @@
 A CUDA call made on a thread that never set its device runs on cuda:0, whatever device the
 tensors are on: a new thread starts on device 0, and so does every thread of a pool. Every
 thread the engine starts that issues CUDA calls therefore enters ``on_device(dev)`` first
-(``tests/dist/test_gpu_logic_cpu.py`` checks this statically), with ``dev`` captured on the calling
+(``tests/distributed/test_gpu_logic_cpu.py`` checks this statically), with ``dev`` captured on the calling
 thread by ``caller_device()``.
 """
 

@@ -1,4 +1,4 @@
-"""Rank functions for tests/dist/test_gpu_logic_cpu.py: the GPU paths' logic, run on gloo ranks.
+"""Rank functions for tests/distributed/test_gpu_logic_cpu.py: the GPU paths' logic, run on gloo ranks.
 
 Each function restores whatever it patched before it returns, since the pool's processes run
 many tests."""
@@ -137,7 +137,7 @@ def twin_of_subgroup(pretend_backend: str) -> list[int] | None:
     return gathered
 
 
-# -- on GPUs (tests/dist/test_gpu_paths.py) ------------------------------------------------------
+# -- on GPUs (tests/distributed/test_gpu_paths.py) ------------------------------------------------------
 
 
 def nccl_worker(rank: int, world: int, port: int, task: tuple[str, str, tuple], results: Any) -> None:

@@ -1,4 +1,4 @@
-"""Rank functions for the CheckpointManager's multi-rank tests (tests/dist/test_manager_dist.py).
+"""Rank functions for the CheckpointManager's multi-rank tests (tests/distributed/test_manager_dist.py).
 
 ``fsdp2_*`` run in the gloo pool (tests/support/dist.py); ``preemptible_rank`` is the body of a process
 the preemption test launches itself, so that it can send it a real SIGTERM and see it exit.

@@ -1,4 +1,4 @@
-"""Rank functions for tests/dist/test_load_prefetch.py (run by the gloo worker pool)."""
+"""Rank functions for tests/distributed/test_load_prefetch.py (run by the gloo worker pool)."""
 
 from __future__ import annotations
 

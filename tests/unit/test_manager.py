@@ -1,7 +1,7 @@
 """CheckpointManager in one process: schedule, rollback and timelines, retention, bad input.
 
 The multi-rank acceptance tests (FSDP2 retention and resume, preemption) are in
-tests/dist/test_manager_dist.py.
+tests/distributed/test_manager_dist.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The CUDA and NCCL paths on real GPUs (issue 22). Run with ``pytest -m gpu`` (docs/gpu.md).
 
 Skipped, with the reason, where there are not enough GPUs; always collected, so they cannot
-rot unnoticed. What can be checked without a GPU is in tests/dist/test_gpu_logic_cpu.py.
+rot unnoticed. What can be checked without a GPU is in tests/distributed/test_gpu_logic_cpu.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A DCP checkpoint (FSDP2 + AdamW on 4 ranks, written by ``dcp.save(get_state_dict(...))``)
-loads with ``bcp.load`` into the layouts ``tests/dist/test_dcp_interop.py`` does not cover:
+loads with ``bcp.load`` into the layouts ``tests/distributed/test_dcp_interop.py`` does not cover:
 DDP, FSDP v1 flat parameters (ragged 1-D shards) and a pipeline split; every tensor, the
 optimizer state included, equal to the reference gathered by the saving framework itself."""
 

@@ -1,6 +1,6 @@
 """The GPU paths' logic, checked without a GPU (issue 22).
 
-What needs a device runs in tests/dist/test_gpu_paths.py; here: the load's transport agreed by
+What needs a device runs in tests/distributed/test_gpu_paths.py; here: the load's transport agreed by
 every rank (gloo ranks pretend CUDA through ``devices.PRETEND_CUDA``), failures inside the
 load window and in the staging arena reaching every rank promptly, the sync save's staging
 thread joined, the pinned pool's fallback, RNG restore with fewer devices, and a static
