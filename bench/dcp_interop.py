@@ -27,20 +27,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import drop_caches  # noqa: E402
 from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
 
 MEDIUM = GPTConfig(vocab_size=16003, context=32, dim=512, heads=8, layers=8, mlp_ratio=3)
 SMALL = GPTConfig(vocab_size=8003, context=32, dim=256, heads=4, layers=4, mlp_ratio=3)
 
-
-def _drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _model(cfg: GPTConfig, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -93,7 +85,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int
         for name, fn in order if rep % 2 == 0 else order[::-1]:
             dist.barrier()
             if rank == 0:
-                dropped = _drop_caches()
+                dropped = drop_caches()
             dist.barrier()
             t = time.perf_counter()
             fn()

@@ -38,42 +38,22 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import drop_caches, max_over_ranks, sum_over_ranks  # noqa: E402
 from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
 
 FULL = GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=22, mlp_ratio=3)
 SMALL = GPTConfig(vocab_size=8003, context=32, dim=256, heads=4, layers=4, mlp_ratio=3)
 DDP_FULL = GPTConfig(vocab_size=16003, context=32, dim=512, heads=8, layers=12, mlp_ratio=3)
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 RATE_TOKENS = 8  # short sequences in the step-rate loop: a 300M step on 2 shared cores is slow
 
 
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open(DROP_CACHES, "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
 
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
-
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def sum_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t.item())
 
 
 def timed(fn: Any) -> tuple[float, Any]:

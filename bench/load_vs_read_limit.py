@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,15 +45,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import DROP_CACHES, MODELS, free_port, gather, max_over_ranks, status_kb, sum_over_ranks  # noqa: E402
 from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
 
-MODELS = {
-    "small": GPTConfig(vocab_size=8003, context=32, dim=256, heads=4, layers=4, mlp_ratio=3),
-    "medium": GPTConfig(vocab_size=16003, context=32, dim=512, heads=8, layers=8, mlp_ratio=3),
-    "1.3gb": GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=4, mlp_ratio=3),
-    "3.56gb": GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=22, mlp_ratio=3),
-}
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 READ_CALL = 4 << 20  # bytes per preadv call, as the engine's local backend reads
 SWEEP = (1, 2, 4, 8, 16)
 METADATA_NAMES = {".metadata", "metadata", "COMMITTED", "latest"}
@@ -140,37 +133,6 @@ def read_limit(files: list[tuple[str, int]], streams: int) -> tuple[float, str]:
 
 # -- the processes ---------------------------------------------------------------------------
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def sum_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t.item())
-
-
-def gather(x: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return out
-
-
-def status_kb(name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(name + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def release_memory() -> None:

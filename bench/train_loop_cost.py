@@ -53,7 +53,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -68,17 +67,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import DROP_CACHES, MODELS, drop_caches, free_port, gather, status_kb  # noqa: E402
 from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
 
-MODELS = {
-    "small": GPTConfig(vocab_size=8003, context=32, dim=256, heads=4, layers=4, mlp_ratio=3),
-    "medium": GPTConfig(vocab_size=16003, context=32, dim=512, heads=8, layers=8, mlp_ratio=3),
-    # engine_vs_dcp's FULL with 4 layers: 107.6M parameters, 1.29 GB with AdamW
-    "1.3gb": GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=4, mlp_ratio=3),
-    "3.56gb": GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=22, mlp_ratio=3),
-}
 WORLD = 4
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
 @dataclass(frozen=True)
@@ -114,29 +106,6 @@ PAIRS = (("ours-overlapped", "dcp-async"), ("ours-overlapped", "dcp-async-staged
 # -- per-process helpers ---------------------------------------------------------------------
 
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open(DROP_CACHES, "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def status_kb(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return 0
-
 
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux: ``5`` into clear_refs)."""
@@ -152,11 +121,6 @@ def cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
-
-def gather(x: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return out
 
 
 def make_fsdp(cfg: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
