@@ -29,6 +29,8 @@ from typing import Any
 import bytecheckpoint as bcp
 from bytecheckpoint.errors import InvalidArgumentError
 
+from .rng import KeptRNG
+
 try:
     import accelerate
 except ImportError as exc:  # the extra is not installed
@@ -82,22 +84,7 @@ class _LoaderPosition:
             self.loader.load_state_dict(state["loader"])
 
 
-class _KeptRNG(bcp.RNGState):
-    """Every process's RNG, restored on load and kept, to be put back once more after a
-    resumed loader starts (see :func:`skip_first_batches`)."""
-
-    entries: dict[str, Any] | None = None
-
-    def restore_shards(self, entries: dict[str, Any]) -> None:
-        self.entries = dict(entries)
-        super().restore_shards(entries)
-
-    def restore_again(self) -> None:
-        if self.entries is not None:
-            super().restore_shards(self.entries)
-
-
-_RESUMED: weakref.WeakKeyDictionary[Any, _KeptRNG] = weakref.WeakKeyDictionary()
+_RESUMED: weakref.WeakKeyDictionary[Any, KeptRNG] = weakref.WeakKeyDictionary()
 
 
 def _numbered(name: str, i: int) -> str:
@@ -127,7 +114,7 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler
     state["accelerator"] = _Counter(accelerator)
-    state["rng"] = _KeptRNG()
+    state["rng"] = KeptRNG()
     return state
 
 

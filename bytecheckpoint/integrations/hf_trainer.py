@@ -29,26 +29,13 @@ from typing import Any
 import bytecheckpoint as bcp
 from bytecheckpoint.errors import NotACheckpointError
 
+from .rng import KeptRNG
+
 try:
     from transformers import TrainerCallback
 except ImportError as exc:  # the extra is not installed
     raise ImportError("bytecheckpoint.integrations.hf_trainer needs transformers: "
                       "pip install 'bytecheckpoint[transformers]' (transformers 5)") from exc
-
-
-class _KeptRNG(bcp.RNGState):
-    """Every process's RNG, restored on load and kept, to be put back once more when the
-    resumed Trainer has skipped into its epoch."""
-
-    entries: dict[str, Any] | None = None
-
-    def restore_shards(self, entries: dict[str, Any]) -> None:
-        self.entries = dict(entries)
-        super().restore_shards(entries)
-
-    def restore_again(self) -> None:
-        if self.entries is not None:
-            super().restore_shards(self.entries)
 
 
 class BytecheckpointCallback(TrainerCallback):
@@ -67,7 +54,7 @@ class BytecheckpointCallback(TrainerCallback):
         self.retention = retention
         self.async_save = async_save
         self.manager: Any = None
-        self._rng: _KeptRNG | None = None  # to put back at the first step of a mid-epoch resume
+        self._rng: KeptRNG | None = None  # to put back at the first step of a mid-epoch resume
 
     def _manager(self, args: Any) -> Any:
         if self.manager is None:
@@ -94,7 +81,7 @@ class BytecheckpointCallback(TrainerCallback):
         if state.global_step == 0:
             return  # a fresh run (the Trainer resumed nothing)
         manager = self._manager(args)
-        rng = _KeptRNG()
+        rng = KeptRNG()
         try:
             manager.restore(self._state(model, optimizer, lr_scheduler, rng), step=state.global_step)
         except NotACheckpointError as exc:
