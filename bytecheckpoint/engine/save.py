@@ -69,7 +69,7 @@ from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
-from . import host_files, snapshot, staging, staging_ring
+from . import host_files, pieces_memo, snapshot, staging, staging_ring
 from .async_save import SaveHandle, set_pending, wait_pending
 from .host_files import HostLayout
 from .messages import Assign, Assignment, Committed, PlanRequest, Replan, SaveOptions, Totals, Written
@@ -158,15 +158,21 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     comm = job.comm
     flat = flatten_state(state, fqn_map=fqn_map)
     planner = get_planner(framework, flat, comm)
-    rows: list[tuple[str, str, tuple[int, ...], Box]] = []  # the local plan's items, as tuples
-    for key, tensor in flat.tensors.items():
-        local = planner.pieces(key, tensor)
-        job.shards[key] = local
-        dtype = dtype_name(tensor.dtype)
-        shape = planner.global_shape(tensor)
-        rows.extend((key, dtype, shape, s.box) for s in local)
-        if not local:  # a rank may hold nothing of a tensor; still announce its shape
-            rows.append((key, dtype, shape, Box((0,) * len(shape), (0,) * len(shape))))
+    memo = pieces_memo.lookup(planner.name, comm.global_ranks, flat.tensors)
+    if memo is not None:  # the same tensors as the last save: the same pieces
+        job.shards, rows, digest = memo.shards(flat.tensors), memo.rows, memo.digest
+    else:
+        rows = []  # the local plan's items, as tuples
+        for key, tensor in flat.tensors.items():
+            local = planner.pieces(key, tensor)
+            job.shards[key] = local
+            dtype = dtype_name(tensor.dtype)
+            shape = planner.global_shape(tensor)
+            rows.extend((key, dtype, shape, s.box) for s in local)
+            if not local:  # a rank may hold nothing of a tensor; still announce its shape
+                rows.append((key, dtype, shape, Box((0,) * len(shape), (0,) * len(shape))))
+        digest = rows_digest(rows)
+        pieces_memo.remember(planner.name, comm.global_ranks, flat.tensors, job.shards, rows, digest)
     # An optimizer's hyperparameters are one dict per group, shared by all of its parameters'
     # entries: each object is encoded and hashed once (nothing changes it during the call).
     packed: dict[int, tuple[bytes, tuple[int, int]]] = {}
@@ -183,7 +189,7 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     # The items themselves are made only if the plan cache misses (_local_plan).
     job.local = LocalSavePlan(comm.rank, [], own_bytes, shared)
     job.rows = rows
-    job.boxes_digest = rows_digest(rows)
+    job.boxes_digest = digest
 
 
 def _local_plan(job: _Job) -> LocalSavePlan:
