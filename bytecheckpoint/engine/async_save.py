@@ -35,9 +35,11 @@ class SaveHandle:
         self._thread: threading.Thread | None = None
         self._snapshot = snapshot  # None: the copy was done before save() returned
 
-    def _start(self, work: Callable[[], Any], device: torch.device | None = None) -> None:
+    def _start(self, work: Callable[[], Any], device: torch.device | None = None,
+               deferred: bool = False) -> None:
         """Run ``work`` on a new thread, on the caller's CUDA ``device`` (a new thread starts
-        on cuda:0, where its CUDA calls would otherwise go)."""
+        on cuda:0, where its CUDA calls would otherwise go). ``deferred``: the thread starts at
+        ``launch_pending()``, which ``save()`` calls last, whatever happened (see there)."""
 
         def run() -> None:
             with on_device(device):
@@ -47,7 +49,12 @@ class SaveHandle:
                     self._future.set_exception(exc)
 
         self._thread = threading.Thread(target=run, name=f"bcp-save-{self.path}", daemon=True)
-        self._thread.start()
+        if not deferred:
+            self._thread.start()
+
+    def _launch(self) -> None:
+        if self._thread is not None and self._thread.ident is None:
+            self._thread.start()
 
     def done(self) -> bool:
         """True when the save has committed or failed."""
@@ -96,6 +103,17 @@ def set_pending(handle: SaveHandle) -> None:
     global _PENDING
     with _LOCK:
         _PENDING = handle
+
+
+def launch_pending() -> None:
+    """Start the pending save's thread if its start was deferred. An overlapped save's copy
+    starts once ``save()`` has nothing left to do: started earlier, it competed for the GIL
+    and the cores with the rest of ``save()`` (the telemetry span, re-enabling the collector),
+    which the caller waited for."""
+    with _LOCK:
+        handle = _PENDING
+    if handle is not None:
+        handle._launch()
 
 
 def wait_pending() -> None:

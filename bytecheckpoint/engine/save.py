@@ -70,7 +70,7 @@ from ..runtime.gc_pause import gc_paused
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
 from . import host_files, pieces_memo, snapshot, staging, staging_ring
-from .async_save import SaveHandle, set_pending, wait_pending
+from .async_save import SaveHandle, launch_pending, set_pending, wait_pending
 from .host_files import HostLayout
 from .messages import Assign, Assignment, Committed, PlanRequest, Replan, SaveOptions, Totals, Written
 from .snapshot import SnapshotMode
@@ -606,7 +606,7 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
             job.phases["stage"] = time.perf_counter() - t
         return _finish(job, assignment, hit, sources)
 
-    handle._start(work, stager.device if stager is not None else None)
+    handle._start(work, stager.device if stager is not None else None, deferred=True)
     set_pending(handle)
     return handle
 
@@ -614,8 +614,11 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
 def save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:
     """Save ``state`` to ``url`` as :func:`bytecheckpoint.save` documents (``opts``: its options)."""
     wait_pending()  # one save at a time: the arena and the save group are never shared
-    with gc_paused():  # the foreground part: all of a synchronous save, an async one's snapshot
-        return _save(url, state, opts)
+    try:
+        with gc_paused():  # the foreground part: all of a synchronous save, an async one's snapshot
+            return _save(url, state, opts)
+    finally:
+        launch_pending()  # an overlapped save's copy and write (never left unstarted)
 
 
 def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:

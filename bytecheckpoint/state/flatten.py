@@ -213,8 +213,11 @@ def _flatten_optimizer(
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if for_load and has_saved_state(f"{key}/state/"):
         init_optimizer_state(optimizer)
+    # By id, not by the parameter: hashing a DTensor goes through its __torch_function__
+    # (about 25 us each, every save); the state's keys are the parameters themselves.
+    state_of = {id(k): v for k, v in optimizer.state.items()}
     for p in params:
-        for name, value in optimizer.state.get(p, {}).items():
+        for name, value in state_of.get(id(p), {}).items():
             for fqn, view in views[id(p)]:
                 entry = f"{key}/state/{fqn}/{name}"
                 if isinstance(value, torch.Tensor):
