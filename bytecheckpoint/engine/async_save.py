@@ -8,6 +8,8 @@ exit a pending save is finished, and a failure nobody looked at is printed.
 from __future__ import annotations
 
 import atexit
+import contextvars
+import queue
 import sys
 import threading
 import warnings
@@ -32,14 +34,15 @@ class SaveHandle:
         self.blocking_s = 0.0  # how long save() held the caller
         self._future: Future = Future()
         self._observed = False
-        self._thread: threading.Thread | None = None
+        self._run: Callable[[], None] | None = None  # not yet handed to the worker
         self._snapshot = snapshot  # None: the copy was done before save() returned
 
     def _start(self, work: Callable[[], Any], device: torch.device | None = None,
                deferred: bool = False) -> None:
-        """Run ``work`` on a new thread, on the caller's CUDA ``device`` (a new thread starts
-        on cuda:0, where its CUDA calls would otherwise go). ``deferred``: the thread starts at
-        ``launch_pending()``, which ``save()`` calls last, whatever happened (see there)."""
+        """Run ``work`` on the save worker thread, on the caller's CUDA ``device`` (a new
+        thread starts on cuda:0, where its CUDA calls would otherwise go). ``deferred``: it
+        is handed over at ``launch_pending()``, which ``save()`` calls last, whatever
+        happened (see there)."""
 
         def run() -> None:
             with on_device(device):
@@ -48,13 +51,14 @@ class SaveHandle:
                 except BaseException as exc:  # reported through the handle
                     self._future.set_exception(exc)
 
-        self._thread = threading.Thread(target=run, name=f"bcp-save-{self.path}", daemon=True)
+        self._run = run
         if not deferred:
-            self._thread.start()
+            self._launch()
 
     def _launch(self) -> None:
-        if self._thread is not None and self._thread.ident is None:
-            self._thread.start()
+        run, self._run = self._run, None
+        if run is not None:
+            _WORKER.submit(run)
 
     def done(self) -> bool:
         """True when the save has committed or failed."""
@@ -97,6 +101,39 @@ class SaveHandle:
 
 _PENDING: SaveHandle | None = None
 _LOCK = threading.Lock()
+
+
+class _Worker:
+    """The thread background saves run on, started once and kept: starting a thread per save
+    made ``save()`` wait until the new thread was scheduled and running (several ms with
+    the training processes on every core). At most one save runs at a time (``wait_pending``),
+    so one thread is enough. A process forked from this one starts its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # first use, or after fork
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._loop, args=(self._jobs,),
+                                                name="bcp-save", daemon=True)
+                self._thread.start()
+            self._jobs.put(job)
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            job = jobs.get()
+            try:  # in a fresh context, as on a thread of its own (telemetry's current span)
+                contextvars.Context().run(job)
+            except BaseException:  # noqa: BLE001 - a job reports through its handle; keep serving
+                pass
+
+
+_WORKER = _Worker()
 
 
 def set_pending(handle: SaveHandle) -> None:
@@ -142,8 +179,6 @@ def _at_exit() -> None:
         print(f"bytecheckpoint: waiting for the async save to {handle.path} to finish",
               file=sys.stderr)
     exc = handle._future.exception()
-    if handle._thread is not None:
-        handle._thread.join()  # let it unwind before the interpreter tears anything down
     if exc is not None and not handle._observed:
         print(f"bytecheckpoint: the async save to {handle.path} (step {handle.step}) failed: {exc}",
               file=sys.stderr)

@@ -64,6 +64,7 @@ from ..planning import plan_cache
 from ..planning.global_plan import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
 from ..planning.plan_cache import CacheEntry, rows_digest, structure_key
 from ..planning.save_metadata import RankWrite, build_metadata, metadata_template
+from ..runtime import gc_pause
 from ..runtime.comm import Communicator, Outcome, summarize_failures
 from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
@@ -586,6 +587,9 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
     snap = snapshot.begin(state)
     handle = SaveHandle(job.url, job.opts.step, snap)
     stager = sources.stager
+    # The collector stays paused until the copy is done: collecting what this save allocated
+    # runs on the save's thread, not in save() (2-7 ms of its return, measured here).
+    release_gc = gc_pause.hold()
 
     def publish(events: dict[Any, Any]) -> None:
         snap.events = events
@@ -594,6 +598,7 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
     def work() -> SaveResult:
         t = time.perf_counter()
         if sources.capped:  # rounds: the copy reuses memory the writer has drained
+            release_gc()
             sources.stage_in_background(on_queued=publish, on_done=snap.finished)
             return _finish(job, assignment, hit, sources)
         try:
@@ -604,6 +609,7 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
         finally:
             snap.finished()
             job.phases["stage"] = time.perf_counter() - t
+            release_gc()
         return _finish(job, assignment, hit, sources)
 
     handle._start(work, stager.device if stager is not None else None, deferred=True)

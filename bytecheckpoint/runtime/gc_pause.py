@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _LOCK = threading.Lock()
@@ -21,23 +21,39 @@ _DEPTH = 0  # nested or concurrent pauses: the last one out re-enables
 _WE_DISABLED = False
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    global _DEPTH, _WE_DISABLED
+def hold() -> Callable[[], None]:
+    """Pause the collector until the returned function is called (once; from any thread).
+    An overlapped save holds it from its foreground part until its copy is done, so the
+    collection of what the save allocated runs on the save's thread, not in ``save()``."""
     if os.environ.get("BCP_GC_PAUSE", "1").strip() == "0":
-        yield
-        return
+        return lambda: None
+    global _DEPTH, _WE_DISABLED
     with _LOCK:
         if _DEPTH == 0:
             # Leave a collector the training script turned off (manual GC) as it is.
             _WE_DISABLED = gc.isenabled()
             gc.disable()
         _DEPTH += 1
-    try:
-        yield
-    finally:
+    released = threading.Event()
+
+    def release() -> None:
+        global _DEPTH, _WE_DISABLED
         with _LOCK:
+            if released.is_set():
+                return
+            released.set()
             _DEPTH -= 1
             if _DEPTH == 0 and _WE_DISABLED:
                 _WE_DISABLED = False
                 gc.enable()
+
+    return release
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    release = hold()
+    try:
+        yield
+    finally:
+        release()

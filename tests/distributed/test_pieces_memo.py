@@ -6,6 +6,7 @@ lists them again. Every checkpoint is loaded back and compared bit for bit with 
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ def fsdp2_memo_changes(root: str) -> dict[str, Any]:
     rank = dist.get_rank()
     model, optim = w.make_fsdp2(seed=0)
     state = {"model": model, "optimizer": optim}
-    refs, cached = [], []
+    refs, cached, collector_on = [], [], []
     try:
         for k in range(5):
             w.train_step(model, optim, k, rank)
@@ -55,10 +56,12 @@ def fsdp2_memo_changes(root: str) -> dict[str, Any]:
                               snapshot="overlapped")
             w.train_step(model, optim, 100 + k, rank)  # the live state moves on at once
             cached.append(handle.wait(timeout=120).cached_plan)
+            collector_on.append(gc.isenabled())  # the save's pause ends with its copy
     finally:
         pieces_memo.lookup = original
     loaded = [w.fsdp2_load(f"{root}/s{k}", with_extra=False)["state"] for k in range(5)]
-    return {"served": served, "cached": cached, "refs": refs, "loaded": loaded}
+    return {"served": served, "cached": cached, "refs": refs, "loaded": loaded,
+            "collector_on": collector_on}
 
 
 def test_fsdp2_saves_reuse_pieces_only_while_the_tensors_are_the_same(world, tmp_path):
@@ -66,6 +69,7 @@ def test_fsdp2_saves_reuse_pieces_only_while_the_tensors_are_the_same(world, tmp
         # save 0 lists; 1 reuses; 2 sees the swapped local tensor; 3 reuses; 4 has new objects
         assert r["served"] == [False, True, False, True, False], r["served"]
         assert r["cached"] == [False, True, True, True, True], r["cached"]
+        assert r["collector_on"] == [True] * 5
         for ref, got in zip(r["refs"], r["loaded"]):
             ref = {k: v for k, v in ref.items() if k != "param_groups"}
             got = {k: v for k, v in got.items() if k != "param_groups"}

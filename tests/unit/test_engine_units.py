@@ -222,6 +222,54 @@ def test_gc_pause_nests_and_leaves_a_disabled_collector_alone(monkeypatch):
     assert gc.isenabled()
 
 
+def test_a_gc_hold_outlives_the_pause_and_is_released_once_from_another_thread():
+    import threading
+
+    from bytecheckpoint.runtime.gc_pause import hold
+
+    assert gc.isenabled()
+    with gc_paused():
+        release = hold()  # an overlapped save: held past save() until its copy is done
+    assert not gc.isenabled()
+    worker = threading.Thread(target=release)
+    worker.start()
+    worker.join()
+    assert gc.isenabled()
+    with gc_paused():
+        release()  # a second release must not end another pause
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_the_save_worker_runs_jobs_in_order_in_fresh_contexts_and_survives_a_failing_one():
+    import contextvars
+    import threading
+
+    from bytecheckpoint.engine.async_save import _Worker
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("probe", default="fresh")
+    seen: list[str] = []
+    done = threading.Event()
+
+    def job(tag: str) -> None:
+        seen.append(f"{tag}:{var.get()}")
+        var.set(tag)  # must not leak into the next job
+
+    def failing() -> None:
+        raise RuntimeError("a job whose handle reports the failure")
+
+    worker = _Worker()
+    worker.submit(lambda: job("a"))
+    worker.submit(failing)
+    worker.submit(lambda: job("b"))
+    worker.submit(done.set)
+    assert done.wait(10)
+    assert seen == ["a:fresh", "b:fresh"]
+    thread = worker._thread
+    worker.submit(done.clear)
+    assert worker._thread is thread  # one thread, kept
+
+
 class _Probe:
     """A stateful object that records whether the collector ran while it was saved."""
 
