@@ -184,4 +184,18 @@ def _at_exit() -> None:
               file=sys.stderr)
 
 
-atexit.register(_at_exit)
+def _register_at_exit() -> None:
+    """Finish a pending save at interpreter exit while thread pools still take work: as a
+    threading exit hook registered after ``concurrent.futures``' own, it runs before that one
+    stops every executor (hooks run newest first); ``atexit`` runs after it, too late for a
+    save that has not started writing yet."""
+    import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered first
+
+    hook = getattr(threading, "_register_atexit", None)
+    if hook is None:
+        atexit.register(_at_exit)
+    else:
+        hook(_at_exit)
+
+
+_register_at_exit()
