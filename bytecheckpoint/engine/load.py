@@ -228,12 +228,21 @@ def _needed_range(saved: SavedBox, copies: list[Copy], item: int, verify: bool,
 def _open_checkpoint(url: str) -> tuple[Storage, str, CheckpointMetadata, bytes]:
     """Resolve ``url`` and read its metadata; an overwrite swapping the checkpoint in between
     the two hides the metadata for a moment, so a vanished file is looked up again."""
+    bad: bytes | None = b""  # the identity of the metadata that last failed its check
     for _attempt in range(50):
         storage, path = resolve(url)
         try:
             meta, identity = read_metadata_identified(storage, path)
             return storage, path, meta, identity
         except FileNotFoundError:
+            time.sleep(0.02)
+        except CorruptCheckpointError:
+            # An overwrite replacing the metadata while an object store serves it in ranged
+            # parts can tear one read; damaged metadata reads the same bytes again.
+            now = metadata_identity(storage, path)
+            if now == bad:
+                raise
+            bad = now
             time.sleep(0.02)
     raise CheckpointReplacedError(f"{url}: the checkpoint kept being replaced or removed while the load "
                                   "started; load again once the saves to it are done")
