@@ -9,13 +9,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import bytecheckpoint as bcp
-from demo.model import GPT, GPTConfig, batch, loss_fn
+from demo.model import GPTConfig, batch, loss_fn
 from tests.support.helpers import same_bits
-from tests.support.workloads import full_state
+from tests.support.workloads import full_state, make_fsdp2
 
 # Large enough (~2.8M parameters, 17 MB of state per rank on 2 ranks) that the background
 # copy is still running when the caller's next statement executes.
@@ -23,13 +21,8 @@ CFG = GPTConfig(vocab_size=4003, context=16, dim=192, heads=4, layers=4)
 
 
 def _fsdp2(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # AdamW's default weight decay (0.01), on this file's small model
+    return make_fsdp2(seed, cfg=CFG, weight_decay=1e-2)
 
 
 def _backward(model: torch.nn.Module, step: int) -> None:

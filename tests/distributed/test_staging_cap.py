@@ -10,14 +10,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import bytecheckpoint as bcp
 from bytecheckpoint.engine import staging
-from demo.model import GPT, GPTConfig, batch, loss_fn
+from demo.model import GPTConfig, batch, loss_fn
 from tests.support.helpers import same_bits
-from tests.support.workloads import full_state
+from tests.support.workloads import full_state, make_fsdp2
 
 # ~0.9M parameters: about 5.5 MB of model and AdamW state per rank on 2 ranks.
 CFG = GPTConfig(vocab_size=2003, context=16, dim=128, heads=4, layers=3)
@@ -26,13 +24,8 @@ CHUNK = 64 << 10
 
 
 def _fsdp2(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # AdamW's default weight decay (0.01), on this file's small model
+    return make_fsdp2(seed, cfg=CFG, weight_decay=1e-2)
 
 
 def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:

@@ -45,14 +45,15 @@ def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]
     return out
 
 
-def make_fsdp2(seed: int, lr: float = 1e-2) -> tuple[nn.Module, torch.optim.Optimizer]:
+def make_fsdp2(seed: int, lr: float = 1e-2, cfg: GPTConfig = CFG, weight_decay: float = 0.1
+               ) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = GPT(CFG)
+    model = GPT(cfg)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
 
 def make_plain(seed: int, lr: float = 1e-2) -> tuple[nn.Module, torch.optim.Optimizer]:
