@@ -57,8 +57,12 @@ class SaveHandle:
 
     def _launch(self) -> None:
         run, self._run = self._run, None
-        if run is not None:
+        if run is None:
+            return
+        try:
             _WORKER.submit(run)
+        except RuntimeError:  # no new thread (interpreter shutdown): finish it here instead
+            run()  # of leaving the handle, and the collector's pause, waiting for ever
 
     def done(self) -> bool:
         """True when the save has committed or failed."""

@@ -270,6 +270,23 @@ def test_the_save_worker_runs_jobs_in_order_in_fresh_contexts_and_survives_a_fai
     assert worker._thread is thread  # one thread, kept
 
 
+def test_a_save_whose_thread_cannot_start_finishes_in_the_caller(tmp_path, monkeypatch):
+    import bytecheckpoint as bcp
+    from bytecheckpoint.engine import async_save
+
+    def no_thread(job):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(async_save._WORKER, "submit", no_thread)
+    model = torch.nn.Linear(8, 8)
+    handle = bcp.save(str(tmp_path / "a"), {"model": model}, async_save=True, snapshot="overlapped")
+    assert handle.done() and handle.wait().total_bytes > 0
+    assert gc.isenabled()
+    fresh = torch.nn.Linear(8, 8)
+    bcp.load(str(tmp_path / "a"), {"model": fresh})
+    assert torch.equal(fresh.weight, model.weight)
+
+
 class _Probe:
     """A stateful object that records whether the collector ran while it was saved."""
 
