@@ -277,7 +277,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
             dtype = dtype_from_name(tm.dtype)
             targets = planner.pieces(key, tensor)
             wanted_targets.extend((key, t) for t in targets)
-            for saved in meta.boxes_of(key):
+            for saved in meta.boxes_of(key, touching=[t.box for t in targets]):
                 copies = []
                 for target in targets:
                     region = saved.box.intersect(target.box)
@@ -418,10 +418,6 @@ class _Early:
         threading.Thread(target=_run_into, args=(self.files_checked, _check_files, plan),
                          name="bcp-check-files", daemon=True).start()
 
-    def files_error(self) -> BaseException | None:
-        """Waits for the file check; its error, if any."""
-        return None if self.files_checked is None else self.files_checked.exception()
-
     def close(self) -> None:
         """Nothing started here outlives the load."""
         if self.prefetch is not None:
@@ -496,7 +492,7 @@ def _load_planned(url: str, state: dict[str, Any], framework: str | None, strict
         batched=transport.batched, control=comm.group, distributed=comm.distributed,
         prefetched=early.prefetch.futures if early.prefetch is not None else None,
         # A file that fails its check stops every rank at the first window's agreement.
-        failed=early.files_error(),
+        checked=early.files_checked,
     )
     outcome = pipeline.run()
     phases["read"] = time.perf_counter() - t

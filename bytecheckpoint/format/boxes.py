@@ -24,7 +24,8 @@ class Box:
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.lengths):
             raise ValueError(f"box rank mismatch: offsets {self.offsets}, lengths {self.lengths}")
-        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+        # min() of a short tuple runs in C: a load builds a box per saved piece it looks at.
+        if self.offsets and (min(self.offsets) < 0 or min(self.lengths) < 0):
             raise ValueError(f"box has negative offsets or lengths: {self}")
 
     @property
@@ -47,11 +48,14 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common region of two boxes, or None when they do not overlap."""
-        starts = [max(a, b) for a, b in zip(self.offsets, other.offsets)]
-        ends = [min(a, b) for a, b in zip(self.ends, other.ends)]
-        if any(s >= e for s, e in zip(starts, ends)):
-            return None
-        return Box(tuple(starts), tuple(e - s for s, e in zip(starts, ends)))
+        starts, lengths = [], []
+        for a, n, b, m in zip(self.offsets, self.lengths, other.offsets, other.lengths):
+            start, end = (a if a > b else b), min(a + n, b + m)
+            if start >= end:  # disjoint in this dimension: stop at the first
+                return None
+            starts.append(start)
+            lengths.append(end - start)
+        return Box(tuple(starts), tuple(lengths))
 
     def relative_to(self, outer: Box) -> Box:
         """This box in the local coordinates of ``outer`` (which must contain it)."""
@@ -59,6 +63,15 @@ class Box:
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths))
+
+
+def overlaps(offsets: Sequence[int], lengths: Sequence[int], box: Box) -> bool:
+    """Whether ``[offsets, offsets + lengths)`` and ``box`` share an element (as
+    ``Box(offsets, lengths).intersect(box)`` is a non-empty box), without building a box."""
+    for a, n, b, m in zip(offsets, lengths, box.offsets, box.lengths):
+        if (a if a > b else b) >= min(a + n, b + m):
+            return False
+    return True
 
 
 def full_box(shape: Sequence[int]) -> Box:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ import xxhash
 from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..runtime.gc_pause import gc_paused
-from .boxes import Box
+from .boxes import Box, overlaps
 from .checks import DAMAGED, MAX_BYTES, check_boxes, check_files, fail, tensor_numel
 from .checksums import CHECKSUM_ALGORITHM, chunk_count
 from .dtypes import DTYPE_NAMES, itemsize
@@ -136,28 +137,58 @@ class CheckpointMetadata:
         i = self._tensor_index.get(key)
         return None if i is None else self.tensors[i]
 
-    def boxes_of(self, key: str) -> list[SavedBox]:
-        """Every saved box of one tensor (built on demand from the columnar table)."""
+    def boxes_of(self, key: str, touching: Sequence[Box] | None = None) -> list[SavedBox]:
+        """Every saved box of one tensor (built on demand from the columnar table); with
+        ``touching``, only those that overlap one of those boxes (a load's targets: in a
+        same-layout load one of the world's boxes, and the others are never built)."""
         i = self._tensor_index.get(key)
         if i is None:
             return []
+        rows = self._rows()
+        lo, hi = rows[i], rows[i + 1]
+        if lo == hi:
+            return []
         b = self.boxes
-        # Keys in the column's own dtype: a mixed-dtype search would copy the whole column.
-        lo, hi = (int(x) for x in np.searchsorted(b.tensor, np.array([i, i + 1], dtype=b.tensor.dtype)))
         nd = len(self.tensors[i].shape)
-        # One conversion per column for the tensor's rows, not one per box and field.
-        dim_start = b.dim_start[lo:hi].tolist()
-        files, offsets = b.file[lo:hi].tolist(), b.byte_offset[lo:hi].tolist()
-        lengths, sum_start = b.byte_length[lo:hi].tolist(), b.checksum_start[lo:hi].tolist()
+        # A tensor's rows are consecutive, and so are their dimensions and checksums (each
+        # column's start is the running sum of the ones before): one conversion per column.
+        d0 = int(b.dim_start[lo])
+        offsets = b.offsets[d0 : d0 + (hi - lo) * nd].tolist()
+        lengths = b.lengths[d0 : d0 + (hi - lo) * nd].tolist()
+        files, positions = b.file[lo:hi].tolist(), b.byte_offset[lo:hi].tolist()
+        sizes, sum_start = b.byte_length[lo:hi].tolist(), b.checksum_start[lo:hi].tolist()
+        c0 = sum_start[0]
+        sums = b.checksums[c0 : sum_start[-1] + chunk_count(sizes[-1], self.chunk_bytes)].tolist()
+        names = self._file_names()
         out = []
-        for s, f, off, length, cs in zip(dim_start, files, offsets, lengths, sum_start):
-            n_chunks = chunk_count(length, self.chunk_bytes)
+        for j, (f, off, length, cs) in enumerate(zip(files, positions, sizes, sum_start)):
+            d = j * nd
+            at, size = offsets[d : d + nd], lengths[d : d + nd]
+            if touching is not None and not any(overlaps(at, size, t) for t in touching):
+                continue
             out.append(SavedBox(
                 key,
-                Box(tuple(b.offsets[s : s + nd].tolist()), tuple(b.lengths[s : s + nd].tolist())),
-                ByteMeta(self.files[f].name, off, length, tuple(b.checksums[cs : cs + n_chunks].tolist())),
+                Box(tuple(at), tuple(size)),
+                ByteMeta(names[f], off, length,
+                         tuple(sums[cs - c0 : cs - c0 + chunk_count(length, self.chunk_bytes)])),
             ))
         return out
+
+    def _file_names(self) -> list[str]:
+        names = self.__dict__.get("_names")
+        if names is None:
+            names = self.__dict__["_names"] = [f.name for f in self.files]
+        return names
+
+    def _rows(self) -> list[int]:
+        """Row bounds of every tensor in the box table: tensor ``i`` is rows
+        ``[rows[i], rows[i + 1])``; one search for all tensors, on the first query."""
+        rows = self.__dict__.get("_row_bounds")
+        if rows is None:
+            b = self.boxes
+            wanted = np.arange(len(self.tensors) + 1, dtype=b.tensor.dtype)
+            rows = self.__dict__["_row_bounds"] = np.searchsorted(b.tensor, wanted).tolist()
+        return rows
 
     def file(self, name: str) -> FileMeta:
         return self.files[self._file_index[name]]

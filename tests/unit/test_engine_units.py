@@ -383,3 +383,68 @@ def test_load_reader_threads_are_shared_by_the_ranks_of_a_host(monkeypatch):
         monkeypatch.setenv("BCP_LOAD_THREADS", bad)
         with pytest.raises(ValueError, match="BCP_LOAD_THREADS.*not a positive integer"):
             read_threads_setting()
+
+
+def _one_box_pipeline(tmp_path, data: bytes, checked, storage=None):
+    from bytecheckpoint.engine.load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
+    from bytecheckpoint.format.boxes import Box
+    from bytecheckpoint.planners import LocalShard
+
+    (tmp_path / "f").write_bytes(data)
+    shard = LocalShard(Box((0,), (len(data),)), torch.zeros(len(data), dtype=torch.uint8))
+    read = BoxRead("model/w", "f", 0, len(data), 0, len(data), (), torch.uint8,
+                   Box((0,), (len(data),)), [Copy(Box((0,), (len(data),)), shard)])
+    read.direct = direct_target(read)
+    unit = ReadUnit(0, 0, len(data), 0, len(data), 0, ())
+    pipe = LoadPipeline(storage or LocalStorage(fsync=False), str(tmp_path), [unit], {unit.box: read},
+                        rank=0, group=None, global_rank=lambda r: r, threads=1, verify=False,
+                        chunk_bytes=1 << 20, device=torch.device("cpu"), checked=checked)
+    return pipe, shard
+
+
+def test_load_reads_start_before_the_file_check_ends_and_its_failure_still_wins(tmp_path):
+    """The check of the files' sizes and headers runs beside the reads (in a resharded load it
+    took 0.2-0.6 s); its error is the load's, by name, though the reads themselves succeeded."""
+    import threading
+    from concurrent.futures import Future
+
+    from bytecheckpoint.errors import CorruptCheckpointError
+
+    read_started = threading.Event()
+
+    class Watched(LocalStorage):
+        def read_into(self, path, offset, buffer):
+            read_started.set()
+            return super().read_into(path, offset, buffer)
+
+    checked: Future = Future()
+
+    def check() -> None:  # finishes only once a read has begun (or after 10 s: the reads waited)
+        began = read_started.wait(10)
+        checked.set_exception(CorruptCheckpointError(f"f: the check failed (reads began first: {began})"))
+
+    threading.Thread(target=check, daemon=True).start()
+    data = os.urandom(4096)
+    pipe, shard = _one_box_pipeline(tmp_path, data, checked, Watched(fsync=False))
+    outcome = pipe.run()
+    assert isinstance(outcome.error, CorruptCheckpointError)
+    assert "reads began first: True" in str(outcome.error)
+    assert bytes(shard.data.numpy()) == data  # read, though the load as a whole fails
+
+    passed: Future = Future()
+    passed.set_result(None)
+    pipe, shard = _one_box_pipeline(tmp_path, data, passed)
+    assert pipe.run().error is None and bytes(shard.data.numpy()) == data
+
+
+def test_a_failed_file_check_replaces_the_raw_read_error_of_the_same_file(tmp_path):
+    from concurrent.futures import Future
+
+    from bytecheckpoint.errors import CorruptCheckpointError
+
+    checked: Future = Future()
+    checked.set_exception(CorruptCheckpointError("f: storage file is missing from the checkpoint"))
+    pipe, _ = _one_box_pipeline(tmp_path, b"x" * 64, checked)
+    os.remove(tmp_path / "f")  # every read of it fails with FileNotFoundError
+    outcome = pipe.run()
+    assert isinstance(outcome.error, CorruptCheckpointError) and "missing" in str(outcome.error)

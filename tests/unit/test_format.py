@@ -8,6 +8,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 import bytecheckpoint as bcp
@@ -94,3 +96,70 @@ def test_wrapper_names_are_dropped_but_user_names_kept(tmp_path):
     plain = Model()
     bcp.load(str(tmp_path / "c"), {"model": plain})
     assert torch.equal(plain.module.weight, saved.module.weight)
+
+
+def _sharded_metadata() -> CheckpointMetadata:
+    """Metadata of a TP 2 x PP 2 x DP 2 layout (planned and built as a save would, no processes),
+    through an encode and decode: many boxes per tensor, in 1 and 2 dimensions."""
+    from bytecheckpoint.planning.global_plan import plan_save
+    from bytecheckpoint.planning.save_metadata import build_metadata, metadata_template
+    from bytecheckpoint.planning.simulate import Layout, ModelSpec, local_plans, synthetic_writes
+
+    spec = ModelSpec(layers=2, hidden=64, ffn=96, vocab=130, kv_heads=2, head_dim=16)
+    layout = Layout(tp=2, pp=2, dp=2)
+    plan = plan_save(local_plans(spec, layout))
+    writes = synthetic_writes(plan, layout, chunk_bytes=4096)
+    meta = build_metadata(metadata_template(plan, writes), writes, framework="megatron",
+                          world_size=layout.world, layout={}, step=1, user_metadata={}, chunk_bytes=4096)
+    return CheckpointMetadata.from_bytes(meta.to_bytes())
+
+
+_SHARDED = _sharded_metadata()
+
+
+def _boxes_row_by_row(meta: CheckpointMetadata, key: str) -> list:
+    """The saved boxes of ``key`` read one table row at a time (what ``boxes_of`` must equal)."""
+    from bytecheckpoint.format.boxes import Box
+    from bytecheckpoint.format.checksums import chunk_count
+    from bytecheckpoint.format.metadata import ByteMeta, SavedBox
+
+    i = [t.key for t in meta.tensors].index(key)
+    b, nd = meta.boxes, len(meta.tensors[i].shape)
+    out = []
+    for r in np.flatnonzero(b.tensor == i):
+        s, c = int(b.dim_start[r]), int(b.checksum_start[r])
+        n = chunk_count(int(b.byte_length[r]), meta.chunk_bytes)
+        ints = (lambda a: tuple(int(x) for x in a))
+        box = Box(ints(b.offsets[s:s + nd]), ints(b.lengths[s:s + nd]))
+        where = ByteMeta(meta.files[int(b.file[r])].name, int(b.byte_offset[r]), int(b.byte_length[r]),
+                         ints(b.checksums[c:c + n]))
+        out.append(SavedBox(key, box, where))
+    return out
+
+
+def test_boxes_of_equals_the_table_read_row_by_row():
+    meta = _SHARDED
+    assert max(len(meta.boxes_of(t.key)) for t in meta.tensors) >= 4
+    for t in meta.tensors:
+        assert meta.boxes_of(t.key) == _boxes_row_by_row(meta, t.key), t.key
+    assert meta.boxes_of("no/such/key") == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_boxes_of_touching_keeps_exactly_the_boxes_that_overlap(data):
+    from bytecheckpoint.format.boxes import Box, overlaps
+
+    meta = _SHARDED
+    t = data.draw(st.sampled_from(meta.tensors))
+    wanted = []
+    for _ in range(data.draw(st.integers(0, 3))):
+        offsets = tuple(data.draw(st.integers(0, s - 1)) for s in t.shape)
+        wanted.append(Box(offsets, tuple(data.draw(st.integers(0, s - o)) for s, o in zip(t.shape, offsets))))
+    every = meta.boxes_of(t.key)
+    expected = [sb for sb in every if any(
+        (r := sb.box.intersect(w_)) is not None and not r.is_empty() for w_ in wanted)]
+    assert meta.boxes_of(t.key, touching=wanted) == expected
+    for sb in every:
+        for w_ in wanted:
+            assert overlaps(sb.box.offsets, sb.box.lengths, w_) == (sb.box.intersect(w_) is not None)
