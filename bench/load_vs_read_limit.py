@@ -6,13 +6,21 @@
 
 For each model (``--models``; the GPT + AdamW workloads of bench/train_loop_cost.py), FSDP2
 on 4 CPU processes (gloo) saves one checkpoint. Then, ``--reps`` times, with the page cache
-dropped before each measurement:
+dropped and the disk left idle for ``--settle`` seconds (2) before each measurement:
   limit   rank 0 reads the checkpoint's data files (the bytes a load reads) with S parallel
-          sequential streams (each a contiguous span, 4 MiB calls as the engine makes):
+          sequential streams (each a contiguous span; 4 MiB calls, each read page dropped
+          once consumed, as the engine reads), landing the bytes in memory as large as the
+          checkpoint, touched beforehand (as a load lands them in the model's tensors; the
+          disk alone, into a reused 4 MiB buffer, is also shown):
           S = the streams the engine uses (ranks x reader threads per rank), and a sweep of
           1, 2, 4, 8, 16 whose best is the read limit
   load    bcp.load into the same layout (4 ranks), and in 2 fresh processes resharded 4 -> 2
-and prints load GB/s and its fraction of both limits (medians). The cache is dropped with
+  paired  right before and right after each load, the limit again with the engine's streams
+          and with the best count of the sweeps so far (the disk's speed drifts by tens of
+          percent within a minute, and a best picked as the maximum of noisy sweeps is biased
+          upwards; measured again next to each load it is neither)
+and prints load GB/s and its fraction of both limits: medians of the sweeps, and the median
+of the paired ratios. The cache is dropped with
 /proc/sys/vm/drop_caches where permitted (root), else with posix_fadvise(DONTNEED) on every
 file of the checkpoint; the output says which.
 
@@ -67,8 +75,23 @@ def data_files(path: str) -> list[tuple[str, int]]:
     return sorted(out, key=lambda f: -f[1])
 
 
+# Seconds the disk is left idle after the cache is dropped, before every timed read (limit
+# or load). This VM's disk serves a read that follows a heavy one much slower: 4 streams read
+# 3.56 GB at 1.56 GB/s right after another such read, and at 2.46-2.50 GB/s after 1, 2, 4 or
+# 8 s idle (medians of 3); 2 streams right after a 1-stream read, 2.45, and right after a
+# 4-stream one, 1.62. Without a pause each figure depends on what ran just before it.
+SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "2"))
+
+
 def drop_cache(files: list[str]) -> str:
-    """Drop the page cache; returns how."""
+    """Drop the page cache, then leave the disk idle for ``SETTLE_S``; returns how."""
+    try:
+        return _drop(files)
+    finally:
+        time.sleep(SETTLE_S)
+
+
+def _drop(files: list[str]) -> str:
     os.sync()
     try:
         with open(DROP_CACHES, "w") as f:
@@ -101,8 +124,11 @@ def spans(files: list[tuple[str, int]], streams: int) -> list[list[tuple[str, in
     return out
 
 
-def read_span(span: list[tuple[str, int, int]]) -> int:
-    buf = memoryview(bytearray(READ_CALL))
+def read_span(span: list[tuple[str, int, int]], into: memoryview | None) -> int:
+    """Read one stream's span in 4 MiB calls into ``into`` (memory of the span's size, as a
+    load lands its bytes in the target tensors), or, when None, into one reused 4 MiB buffer
+    that stays in the CPU caches (the disk alone: no load can do this)."""
+    scratch = memoryview(bytearray(READ_CALL))
     total = 0
     for path, off, n in span:
         fd = os.open(path, os.O_RDONLY)
@@ -110,9 +136,14 @@ def read_span(span: list[tuple[str, int, int]]) -> int:
             os.posix_fadvise(fd, off, n, os.POSIX_FADV_SEQUENTIAL)
             done = 0
             while done < n:
-                got = os.preadv(fd, [buf[: min(READ_CALL, n - done)]], off + done)
+                size = min(READ_CALL, n - done)
+                dest = scratch[:size] if into is None else into[total + done : total + done + size]
+                got = os.preadv(fd, [dest], off + done)
                 if got == 0:
                     break
+                # Consumed pages dropped, as the engine's reads drop them: here that alone
+                # takes 4 streams from 1.38 to 2.25 GB/s (medians of 4, 3.56 GB).
+                os.posix_fadvise(fd, off + done, got, os.POSIX_FADV_DONTNEED)
                 done += got
             total += done
         finally:
@@ -120,14 +151,32 @@ def read_span(span: list[tuple[str, int, int]]) -> int:
     return total
 
 
-def read_limit(files: list[tuple[str, int]], streams: int) -> tuple[float, str]:
+_DEST: list[torch.Tensor] = []
+
+
+def destination(nbytes: int) -> memoryview:
+    """Memory for every byte of the checkpoint, allocated and touched once (outside any
+    timing), as a model's tensors are before a load."""
+    if not _DEST or _DEST[0].numel() < nbytes:
+        _DEST[:] = [torch.ones(nbytes, dtype=torch.uint8)]
+    return memoryview(_DEST[0].numpy())[:nbytes]
+
+
+def read_limit(files: list[tuple[str, int]], streams: int, into_memory: bool = True) -> tuple[float, str]:
     """Cold parallel sequential read of ``files`` with ``streams`` threads: GB/s, and how
-    the cache was dropped."""
-    how = drop_cache([p for p, _ in files])
+    the cache was dropped. ``into_memory``: each stream lands its bytes in its own part of
+    memory as large as the checkpoint (what a load must do), else in a reused 4 MiB buffer."""
     parts = spans(files, streams)
+    into: list[memoryview | None] = [None] * len(parts)
+    if into_memory:
+        dest, start = destination(sum(n for _, n in files)), 0
+        for i, part in enumerate(parts):
+            size = sum(n for _, _, n in part)
+            into[i], start = dest[start : start + size], start + size
+    how = drop_cache([p for p, _ in files])
     t = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        total = sum(pool.map(read_span, parts))
+        total = sum(pool.map(read_span, parts, into))
     return total / (time.perf_counter() - t) / 1e9, how
 
 
@@ -194,8 +243,36 @@ def limits(files: list[tuple[str, int]], engine_streams: int, sweep: bool) -> di
         counts = sorted({engine_streams, *SWEEP}) if sweep else [engine_streams]
         for s in counts:
             out[s], out["how"] = read_limit(files, s)
+        out["scratch"] = read_limit(files, engine_streams, into_memory=False)[0]
     dist.barrier()
     return out
+
+
+def best_count(sweeps: list[dict[str, Any]]) -> int:
+    """The stream count with the highest median over the sweeps so far."""
+    counts = sorted({int(k) for sw in sweeps for k in sw if k not in ("how", "scratch")})
+    return max(counts, key=lambda c: med([sw[c] if c in sw else sw[str(c)] for sw in sweeps]))
+
+
+def around(files: list[tuple[str, int]], counts: list[int]) -> dict[int, float]:
+    """The limit at each of ``counts`` streams, read by rank 0 now (the others wait)."""
+    out: dict[int, float] = {}
+    if dist.get_rank() == 0:
+        for c in counts:
+            out[c] = read_limit(files, c)[0]
+    dist.barrier()
+    return out
+
+
+def paired_load(variant: dict[str, str], state: dict[str, Any], path: str,
+                files: list[tuple[str, int]], counts: list[int]) -> dict[str, Any]:
+    """A cold load with the limit at ``counts`` streams measured right before and right after
+    it (in mirrored order); ``paired[c]`` is the mean of the two."""
+    before = around(files, counts)
+    load = cold_load_as(variant, state, path, files)
+    after = around(files, counts[::-1])
+    load["paired"] = {c: (before[c] + after[c]) / 2 for c in before}
+    return load
 
 
 def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
@@ -242,13 +319,14 @@ def worker(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: in
         # the order alternates: limit first, then loads; then loads first; variants rotate
         first_load = rep % 2 == 1
         order = names[rep % len(names):] + names[:rep % len(names)]
-        if first_load:
-            for v in order:
-                res["loads"][v].append(cold_load_as(variants[v], state, path, files))
-        res["limits"].append(limits(files, engine_streams, sweep=True))
-        if not first_load:
-            for v in order:
-                res["loads"][v].append(cold_load_as(variants[v], state, path, files))
+        if not first_load or not res["limits"]:
+            res["limits"].append(limits(files, engine_streams, sweep=True))
+        best = gather(best_count(res["limits"]) if rank == 0 else 0)[0]  # rank 0 measured it
+        counts = sorted({engine_streams, best}, reverse=rep % 2 == 1)
+        for v in order:
+            res["loads"][v].append(paired_load(variants[v], state, path, files, counts))
+        if first_load and len(res["limits"]) <= rep:
+            res["limits"].append(limits(files, engine_streams, sweep=True))
         if rank == 0:
             print(f"  world {world}, rep {rep + 1}/{reps}: load "
                   + ", ".join(f"{v} {res['loads'][v][-1]['s']:.2f} s" for v in names), flush=True)
@@ -407,12 +485,14 @@ def med(xs: list[float]) -> float:
 
 def report_layout(name: str, res: dict[str, Any]) -> list[str]:
     gb = res["bytes"] / 1e9
-    counts = sorted({int(k) for lim in res["limits"] for k in lim if k != "how"})
+    counts = sorted({int(k) for lim in res["limits"] for k in lim if k not in ("how", "scratch")})
     per_s = {s: med([lim[str(s)] if str(s) in lim else lim[s] for lim in res["limits"]]) for s in counts}
     best_s = max(per_s, key=lambda s: per_s[s])
     eng = res["engine_streams"]
     lines = [f"  {name}: {gb:.2f} GB in {res['files']} files",
-             "    read limit, GB/s by streams: " + ", ".join(f"{s}: {v:.2f}" for s, v in per_s.items())]
+             "    read limit, GB/s by streams: " + ", ".join(f"{s}: {v:.2f}" for s, v in per_s.items())
+             + f"; the disk alone ({eng} streams into one reused 4 MiB buffer each, no load's "
+             f"landing in memory): {med([lim['scratch'] for lim in res['limits'] if 'scratch' in lim]):.2f}"]
     for variant, loads in res["loads"].items():
         load_gbps = med([x["bytes"] / x["s"] / 1e9 for x in loads])
         lines.append(
@@ -420,7 +500,26 @@ def report_layout(name: str, res: dict[str, Any]) -> list[str]:
             f"{load_gbps:.2f} GB/s; / limit with the engine's {eng} streams: {load_gbps / per_s[eng]:.0%}; "
             f"/ best ({best_s} streams): {load_gbps / per_s[best_s]:.0%}; peak extra host memory per "
             f"rank {med([x['mem_kb'] for x in loads]) / 1024:.0f} MB")
+        lines.append(f"      paired, load / the limit measured right before and after it (median of "
+                     f"{len(loads)}): " + paired_summary(loads, eng))
     return lines
+
+
+def paired_summary(loads: list[dict[str, Any]], engine_streams: int) -> str:
+    """Median over loads of load GB/s / the limit measured around that load, per stream count
+    (the best count is the sweeps' best when that load ran)."""
+    ratios: dict[str, list[float]] = {}
+    for x in loads:
+        paired = {int(c): v for c, v in x.get("paired", {}).items()}
+        gbps = x["bytes"] / x["s"] / 1e9
+        for c, v in paired.items():
+            ratios.setdefault("engine" if c == engine_streams else "other", []).append(gbps / v)
+        ratios.setdefault("best", []).append(gbps / max(paired.values()) if paired else float("nan"))
+    parts = [f"at {engine_streams} streams {med(ratios.get('engine', [])):.0%}"]
+    if "other" in ratios:
+        parts.append(f"at the sweeps' best count {med(ratios['other']):.0%}")
+        parts.append(f"at the faster of the two {med(ratios['best']):.0%}")
+    return "; ".join(parts)
 
 
 def report_profile(name: str, prof: dict[str, Any]) -> list[str]:
@@ -455,10 +554,14 @@ def main() -> None:
                         help="NAME or NAME:ENV=V,ENV=V (repeatable): loads under each environment, "
                         "side by side, e.g. --variant before:BCP_LOAD_EARLY=0 --variant after")
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "bcp-bench-read"))
+    parser.add_argument("--settle", type=float, default=SETTLE_S,
+                        help="seconds the disk is left idle before each timed read (see SETTLE_S)")
     args = parser.parse_args()
+    os.environ["BENCH_SETTLE_S"] = str(args.settle)  # the spawned ranks read it on import
     root = os.path.abspath(args.dir)
     t = time.perf_counter()
-    print(f"load average {open('/proc/loadavg').read().strip()}; the machine is shared", flush=True)
+    print(f"load average {open('/proc/loadavg').read().strip()}; the machine is shared; "
+          f"{args.settle:g} s idle before each timed read", flush=True)
     everything: dict[str, Any] = {}
     for name in args.models.split(","):
         cfg = MODELS[name]
