@@ -97,7 +97,9 @@ def save(
             tensors are copied) or ``"overlapped"``: ``save`` returns once the save is planned and
             the copy overlaps training; ``optimizer.step()`` and the forward of saved modules
             with buffers wait for it, any other in-place change of a saved tensor must call
-            ``handle.wait_snapshot()`` first (docs/performance.md, "Overlapped snapshot").
+            ``handle.wait_snapshot()`` first (docs/performance.md, "Overlapped snapshot"). The
+            save commits once training confirms the copy (its next step, forward or call on
+            the handle), or after ``BCP_SNAPSHOT_CONFIRM_S`` seconds.
         staging_max_bytes: the most host memory this rank stages the save into (async saves,
             device tensors; default ``BCP_STAGING_MAX_BYTES``, else one copy of the rank's
             share). Below the share the copy runs in rounds that wait for the writer, so an

@@ -132,6 +132,8 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
             "the most host memory a save stages into per rank (default of save(staging_max_bytes=); "
             "unset: one copy of the rank's share); below it the copy runs in rounds that wait for "
             "the writer"),
+    Setting("BCP_SNAPSHOT_CONFIRM_S", "bytecheckpoint/engine/snapshot.py", "30",
+            "an overlapped save waits this long for training to confirm its snapshot, then checks alone"),
     Setting("BCP_GC_PAUSE", "bytecheckpoint/runtime/gc_pause.py", "1",
             "0 keeps Python's garbage collector running during a save's foreground and loads"),
     Setting("BCP_STORAGE_RETRY_ATTEMPTS", _S3, "6", "attempts of a storage operation that fails transiently"),

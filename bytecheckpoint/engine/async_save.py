@@ -12,6 +12,7 @@ import contextvars
 import queue
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -64,8 +65,15 @@ class SaveHandle:
         except RuntimeError:  # no new thread (interpreter shutdown): finish it here instead
             run()  # of leaving the handle, and the collector's pause, waiting for ever
 
+    def _confirm(self, timeout: float | None = None) -> bool:
+        """Every call on the handle confirms an overlapped snapshot once its copy is done
+        (see :mod:`.snapshot`): the caller has finished the writes it issued before."""
+        snap = self._snapshot
+        return snap is None or snap.wait(timeout)
+
     def done(self) -> bool:
         """True when the save has committed or failed."""
+        self._confirm(timeout=0)
         return self._future.done()
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
@@ -85,8 +93,10 @@ class SaveHandle:
 
         Raises ``TimeoutError`` if it is still running after ``timeout`` seconds."""
         self._observed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._confirm(timeout)
         try:
-            return self._future.result(timeout)
+            return self._future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         finally:
             if self._future.done() and self._snapshot is not None:
                 self._snapshot.remove_module_hooks()
@@ -96,7 +106,9 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None once it has committed (waits like ``wait``)."""
         self._observed = True
-        return self._future.exception(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._confirm(timeout)
+        return self._future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")
@@ -165,6 +177,7 @@ def wait_pending() -> None:
         handle, _PENDING = _PENDING, None
     if handle is None:
         return
+    handle._confirm()  # this save() or load() comes after the caller's writes
     exc = handle._future.exception()
     if handle._snapshot is not None:
         handle._snapshot.remove_module_hooks()
@@ -179,6 +192,7 @@ def _at_exit() -> None:
         handle = _PENDING
     if handle is None:
         return
+    handle._confirm()  # training has stopped writing
     if not handle.done():
         print(f"bytecheckpoint: waiting for the async save to {handle.path} to finish",
               file=sys.stderr)

@@ -74,7 +74,7 @@ from . import host_files, pieces_memo, snapshot, staging, staging_ring
 from .async_save import SaveHandle, launch_pending, set_pending, wait_pending
 from .host_files import HostLayout
 from .messages import Assign, Assignment, Committed, PlanRequest, Replan, SaveOptions, Totals, Written
-from .snapshot import SnapshotMode
+from .snapshot import Snapshot, SnapshotMode
 from .staging import Stager
 from .staging_ring import CappedStager
 from .writer import KIND_ORDER, Entry, rank_entries, tensor_bytes, write_rank
@@ -121,6 +121,7 @@ class _Job:
     locators: list[Any] | None = None  # where each assigned item lies in the shards (_locate)
     rows: list[Any] | None = None  # the local plan's items as tuples, until _local_plan makes them
     lock: save_lock.SaveLock | None = None  # coordinator: held from begin_save to the commit's end
+    snapshot: Snapshot | None = None  # an overlapped save's copy, settled before the commit
 
     def release(self) -> None:
         if self.lock is not None:
@@ -465,14 +466,19 @@ def _write(job: _Job, assignment: Assignment, sources: _Sources, makedirs: bool
     t = time.perf_counter()
     try:
         if job.host is not None:
-            return _write_host(job, job.host, assignment, sources, makedirs), None
-        sources.check()
-        if makedirs:
-            _prepare(job, assignment)
-        assert job.flat is not None
-        written = write_rank(job.storage, assignment.staging, assignment.items, sources.fns, job.flat,
-                             _objects(job, assignment), job.comm.rank, job.opts.chunk_bytes,
-                             file_tag=data_file_tag(job.storage, job.opts.overwrite, assignment.save_id))
+            written = _write_host(job, job.host, assignment, sources, makedirs)
+        else:
+            sources.check()
+            if makedirs:
+                _prepare(job, assignment)
+            assert job.flat is not None
+            written = write_rank(job.storage, assignment.staging, assignment.items, sources.fns,
+                                 job.flat, _objects(job, assignment), job.comm.rank,
+                                 job.opts.chunk_bytes,
+                                 file_tag=data_file_tag(job.storage, job.opts.overwrite, assignment.save_id))
+        if job.snapshot is not None:  # an in-place write racing the copy fails the save here
+            with span("save.confirm"):
+                job.snapshot.settle()
         return written, None
     except Exception as exc:
         if sources.stager is not None:  # a bounded arena's copy would wait for this writer
@@ -584,9 +590,10 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
                       state: dict[str, Any]) -> SaveHandle:
     """snapshot="overlapped": the copy and then the write run on the save's thread; training's
     writers wait for the copy through the hooks of ``snapshot.begin``."""
-    snap = snapshot.begin(state)
-    handle = SaveHandle(job.url, job.opts.step, snap)
     stager = sources.stager
+    snap = snapshot.begin(state, stager.changed if stager is not None else lambda: None)
+    job.snapshot = snap
+    handle = SaveHandle(job.url, job.opts.step, snap)
     # The collector stays paused until the copy is done: collecting what this save allocated
     # runs on the save's thread, not in save() (2-7 ms of its return, measured here).
     release_gc = gc_pause.hold()

@@ -14,9 +14,20 @@ call, because everything that changes saved tensors on a schedule waits for the 
 
 Anything else that changes a saved tensor in place (an EMA update, a manual ``no_grad``
 write, ``load_state_dict``, a write from another thread) must first call
-``handle.wait_snapshot()``. Such a write that races the copy is caught by the tensors'
+``handle.wait_snapshot()``. Such a write before the copy is released is caught by the tensors'
 version counters and fails the save with ``SnapshotChangedError``, except writes through
 ``.data`` or raw storage, which no counter sees.
+
+Catching it needs more than a check around each copy: an in-place op bumps its tensor's
+counter only after it has written the data, so a write still running when the copy ends is
+invisible there. The save therefore does not commit until the snapshot is *confirmed*: the
+first time a thread of training reaches bytecheckpoint after the copy is released (an
+optimizer step, a forward of a saved module, any call on the handle, the next ``save`` or
+``load``, interpreter exit), every write that thread issued before has finished, and the
+counters are compared with those of ``save()`` there. Only then may the tensors change. If no
+thread comes within ``BCP_SNAPSHOT_CONFIRM_S`` seconds of the write's end, the save's own
+thread compares them; only a write that started before the copy ended and is still running
+then could go unseen.
 
 On CUDA the copy runs on a side stream into pinned memory; the hooks make the caller's stream
 wait for it (no host synchronisation) once the copies are queued.
@@ -25,14 +36,17 @@ wait for it (no host synchronisation) once the copies are queued.
 from __future__ import annotations
 
 import enum
+import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, SnapshotChangedError
+
+CONFIRM_SETTING = "BCP_SNAPSHOT_CONFIRM_S"
 
 
 class SnapshotMode(str, enum.Enum):
@@ -51,48 +65,97 @@ def snapshot_mode(value: Any, async_save: bool) -> SnapshotMode:
     if mode is SnapshotMode.OVERLAPPED and not async_save:
         raise InvalidArgumentError("snapshot='overlapped' applies to async saves only: pass "
                                    "async_save=True as well, or leave snapshot out; nothing was saved")
+    if mode is SnapshotMode.OVERLAPPED:
+        confirm_timeout()  # a bad setting fails here, not in the background
     return mode
 
 
 class Snapshot:
     """The copy of one async save's tensors: ``done`` once every copy has landed (or the copy
-    failed: the save then fails, and training need not wait any longer)."""
+    failed: the save then fails, and training need not wait any longer); ``confirmed`` once
+    the counters were compared after the copy was released (see the module's docstring)."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.queued = threading.Event()  # CUDA: every copy is on the side streams
         self.events: dict[torch.device, Any] = {}  # CUDA: per device, the last copy's event
         self.creator = threading.get_ident()
+        self.changed: Callable[[], str | None] = lambda: None  # the stager's: a changed tensor
+        self.confirmed = threading.Event()
+        self.changed_name: str | None = None
+        self._confirm_lock = threading.Lock()
         self._module_hooks: list[Any] = []
 
     def finished(self) -> None:
-        global _ACTIVE
         self.queued.set()
         self.done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the copy; once it is done, confirm from this thread (True)."""
+        if not self.done.wait(timeout):
+            return False
+        self.confirm()
+        return True
+
+    def released(self) -> bool:
+        """Training may write now: the copy is done, or (CUDA) queued before its writes."""
+        return self.done.is_set() or (self.queued.is_set() and bool(self.events))
+
+    def confirm(self) -> None:
+        """Called on a thread that has reached bytecheckpoint after the copy was released:
+        every in-place write this thread issued before has bumped its counter by now, so the
+        first call compares the counters with those of save(); from then on writes are the
+        next state's."""
+        global _ACTIVE
+        if self.confirmed.is_set():
+            return
+        with self._confirm_lock:
+            if not self.confirmed.is_set():
+                self.changed_name = self.changed()
+                self.confirmed.set()
         with _LOCK:
             if _ACTIVE is self:
                 _ACTIVE = None
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.done.wait(timeout)
+    def settle(self, timeout: float | None = None) -> None:
+        """On the save's thread, before this rank reports its files written: wait for a
+        confirmation (from here after ``timeout``, default ``BCP_SNAPSHOT_CONFIRM_S``); raise
+        ``SnapshotChangedError`` if a saved tensor changed before it."""
+        if not self.confirmed.wait(confirm_timeout() if timeout is None else timeout):
+            self.confirm()
+        if self.changed_name is not None:
+            raise SnapshotChangedError(
+                f"{self.changed_name} was changed in place after this async save (snapshot="
+                "'overlapped') was called and before it was released, so the save could mix two "
+                "training states; it is not committed. Call handle.wait_snapshot() before changing "
+                "saved tensors outside optimizer.step() and module forward, or save with "
+                "snapshot='blocking'")
 
     def before_write(self) -> None:
         """Called where training is about to change saved tensors: return once it may. On
         CUDA the caller's streams wait for the copies (the host does not)."""
-        if self.done.is_set():
-            return
-        self.queued.wait()
-        if self.done.is_set() or not self.events:
-            self.done.wait()
-            return
-        for device, event in self.events.items():
-            torch.cuda.current_stream(device).wait_event(event)
+        if not self.done.is_set():
+            self.queued.wait()
+            if self.done.is_set() or not self.events:
+                self.done.wait()
+            else:
+                for device, event in self.events.items():
+                    torch.cuda.current_stream(device).wait_event(event)
+        self.confirm()
+
+    def pass_by(self) -> None:
+        """A forward that changes no saved tensor: confirm if the copy is released, never wait."""
+        if not self.confirmed.is_set() and self.released():
+            self.confirm()
 
     def guard_modules(self, modules: Iterable[torch.nn.Module]) -> None:
         for module in modules:
             if next(module.buffers(), None) is not None:
                 self._module_hooks.append(module.register_forward_pre_hook(
                     lambda _m, _args: self.before_write()))
+            else:
+                self._module_hooks.append(module.register_forward_pre_hook(
+                    lambda _m, _args: self.pass_by()))
 
     def remove_module_hooks(self) -> None:
         """On the thread that saved only: a hook list must not change under a running forward."""
@@ -101,6 +164,20 @@ class Snapshot:
         hooks, self._module_hooks = self._module_hooks, []
         for h in hooks:
             h.remove()
+
+
+def confirm_timeout() -> float:
+    """``BCP_SNAPSHOT_CONFIRM_S``: how long a written save waits for training to confirm."""
+    raw = os.environ.get(CONFIRM_SETTING, "").strip()
+    try:
+        value = float(raw) if raw else 30.0
+    except ValueError:
+        raise InvalidArgumentError(f"{CONFIRM_SETTING}={raw!r} is not a number of seconds; "
+                                   "unset it or give e.g. 30") from None
+    if not value >= 0 or value == float("inf"):
+        raise InvalidArgumentError(f"{CONFIRM_SETTING}={raw!r} must be a finite number of "
+                                   "seconds >= 0; unset it or give e.g. 30")
+    return value
 
 
 _ACTIVE: Snapshot | None = None
@@ -114,10 +191,12 @@ def _before_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
         snap.before_write()
 
 
-def begin(state: dict[str, Any]) -> Snapshot:
-    """A snapshot of ``state`` starts: training's writers wait for it from now on."""
+def begin(state: dict[str, Any], changed: Callable[[], str | None]) -> Snapshot:
+    """A snapshot of ``state`` starts: training's writers wait for it from now on.
+    ``changed()`` names a saved tensor whose counter moved since save(), or None."""
     global _ACTIVE, _STEP_HOOK
     snap = Snapshot()
+    snap.changed = changed
     with _LOCK:
         if _STEP_HOOK is None:  # once per process: the hook does nothing while none is active
             _STEP_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)

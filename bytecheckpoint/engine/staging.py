@@ -261,6 +261,13 @@ class Stager:
         finally:
             self.fail(self.error)  # pieces a cancel or an error left uncopied
 
+    def changed(self) -> str | None:
+        """The name of the first source whose version counter moved since save(), or None."""
+        for i, watched in enumerate(self._watched):
+            if _versions(watched) != self.versions[i]:
+                return self.names[i]
+        return None
+
     def _check_unchanged(self, i: int) -> None:
         if _versions(self._watched[i]) != self.versions[i]:
             raise SnapshotChangedError(

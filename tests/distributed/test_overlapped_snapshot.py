@@ -4,6 +4,7 @@ allows (issue 21). The functions without ``test_`` run on every rank of a gloo g
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -87,8 +88,9 @@ def write_after_wait_snapshot(root: str) -> dict[str, Any]:
 
 
 def write_without_waiting(root: str) -> dict[str, Any]:
-    """A no_grad write right after save(), against the contract: the save is either the exact
-    state of the call (the copy won the race) or fails by name; never a mix."""
+    """A no_grad write right after save(), against the contract, fails the save by name:
+    whether it landed before, during or after the copy, its counter has moved by the time
+    this thread calls wait(), which confirms the snapshot before anything is committed."""
     model, optim = _fsdp2(seed=2)
     state = {"model": model, "optimizer": optim}
     _backward(model, 0)
@@ -102,8 +104,62 @@ def write_without_waiting(root: str) -> dict[str, Any]:
     try:
         handle.wait()
     except (bcp.SnapshotChangedError, bcp.RankFailedError) as exc:  # here, or on another rank
-        return {"error": str(exc)}
+        return {"error": str(exc), "own": isinstance(exc, bcp.SnapshotChangedError)}
     return {"error": None, "differs": _same(ref, _loaded(f"{root}/x"))}
+
+
+def _framework_models(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from demo.model import GPT
+    from tests.support.frameworks import make_fsdp1, make_tp_dp
+    from tests.support.workloads import CFG as WCFG
+    from tests.support.workloads import make_fsdp2
+
+    if kind == "ddp":
+        torch.manual_seed(seed)
+        model: torch.nn.Module = DDP(GPT(WCFG))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if kind.startswith("fsdp1"):
+        return make_fsdp1(seed, use_orig_params=kind.endswith("orig"))
+    if kind == "tp2":
+        return make_tp_dp(seed, dp=1, tp=2)
+    return make_fsdp2(seed)
+
+
+def _canonical(kind: str, model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    from tests.support.frameworks import canonical, canonical_fsdp1
+
+    if kind.startswith("fsdp1"):
+        return canonical_fsdp1(model, optim)  # type: ignore[arg-type]
+    return canonical(model.module if kind == "ddp" else model, optim)
+
+
+def train_step_right_after_save(root: str) -> dict[str, list[str]]:
+    """A whole training step (forward, backward, step) right after save(), in every parallel
+    layout: forward and backward must leave the saved tensors' counters alone (or the
+    confirmation would fail good saves), and the step waits for the copy."""
+    from tests.support.workloads import train_step
+
+    tp = "tp2" if dist.get_world_size() == 2 else None
+    out: dict[str, list[str]] = {}
+    for kind in [k for k in ("ddp", "fsdp1", "fsdp1-orig", "fsdp2", tp) if k is not None]:
+        model, optim = _framework_models(kind, seed=0)
+        dp_rank = 0 if kind == "tp2" else dist.get_rank()
+        train_step(model, optim, 0, dp_rank)
+        ref = _canonical(kind, model, optim)
+        path = f"{root}/{kind}"
+        handle = bcp.save(path, {"model": model, "optimizer": optim}, async_save=True,
+                          snapshot="overlapped")
+        train_step(model, optim, 1, dp_rank)  # forward and backward overlap the copy
+        handle.wait(timeout=120)
+        fresh, fresh_optim = _framework_models(kind, seed=7)
+        train_step(fresh, fresh_optim, 0, dp_rank)  # optimizer state exists to load into
+        bcp.load(path, {"model": fresh, "optimizer": fresh_optim})
+        got = _canonical(kind, fresh, fresh_optim)
+        out[kind] = [k for k, v in ref.items()
+                     if isinstance(v, torch.Tensor) and not same_bits(v, got[k])]
+    return out
 
 
 def test_snapshot_is_the_state_at_save_although_the_optimizer_steps_at_once(world, tmp_path):
@@ -121,13 +177,81 @@ def test_in_place_writes_after_wait_snapshot_do_not_reach_the_checkpoint(world, 
         assert r["differs"] == []
 
 
-def test_unhooked_write_racing_the_copy_fails_by_name_or_saves_the_exact_state(world, tmp_path):
-    for r in world(2).run(write_without_waiting, str(tmp_path)):
-        if r["error"] is not None:
-            assert "wait_snapshot" in r["error"]
-            assert not (tmp_path / "x").exists()
-        else:
-            assert r["differs"] == []
+def test_unhooked_write_after_save_fails_the_save_by_name(world, tmp_path):
+    results = world(2).run(write_without_waiting, str(tmp_path))
+    for r in results:
+        assert r["error"] is not None and "wait_snapshot" in r["error"]
+    assert all(r["own"] for r in results)  # each rank's own write, not only another rank's
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_training_step_right_after_save_keeps_every_layout_exact(world, tmp_path):
+    for r in world(2).run(train_step_right_after_save, str(tmp_path)):
+        assert set(r) == {"ddp", "fsdp1", "fsdp1-orig", "fsdp2", "tp2"}
+        assert all(v == [] for v in r.values()), r
+
+
+def _linear() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    return model, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_write_whose_counter_moves_after_the_copy_fails_the_save(tmp_path):
+    """An in-place op writes its data first and bumps its tensor's counter after: a check
+    around the copy can miss it. Here the op's data land (through numpy: no counter), the
+    copy ends, and only then the counter moves, all before this thread calls bytecheckpoint
+    again. The save must fail by name, never commit the written data."""
+    model, _ = _linear()
+    path = tmp_path / "late"
+    handle = bcp.save(str(path), {"model": model}, async_save=True, snapshot="overlapped")
+    model.weight.detach().numpy()[...] += 1.0  # the op's data
+    assert handle._snapshot is not None and handle._snapshot.done.wait(60)  # the copy is over
+    with torch.no_grad():
+        model.weight.add_(0.0)  # the op's counter
+    with pytest.raises(bcp.SnapshotChangedError, match="weight"):
+        handle.wait(timeout=60)
+    assert not path.exists()
+
+
+def test_an_overlapped_save_commits_only_once_training_confirms(tmp_path, monkeypatch):
+    """Written, the save waits for training's next call (here a forward of the saved module,
+    which has no buffers and so never waits itself) before it commits."""
+    model, ref = _linear()
+    path = tmp_path / "c"
+    handle = bcp.save(str(path), {"model": model}, async_save=True, snapshot="overlapped")
+    snap = handle._snapshot
+    assert snap is not None and snap.done.wait(60)
+    time.sleep(1.0)  # the write of 260 KB is long over; the commit waits for confirmation
+    assert not snap.confirmed.is_set() and not handle._future.done()
+    model(torch.randn(2, 256))  # confirms: the forward's pre-hook
+    assert snap.confirmed.is_set()
+    handle._future.result(timeout=60)  # commits without any call on the handle
+    fresh, _ = _linear()
+    torch.nn.init.zeros_(fresh.weight)
+    bcp.load(str(path), {"model": fresh})
+    assert all(same_bits(v, ref[k]) for k, v in fresh.state_dict().items())
+
+
+def test_without_any_call_the_save_checks_alone_after_the_confirm_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv("BCP_SNAPSHOT_CONFIRM_S", "0.2")
+    model, ref = _linear()
+    handle = bcp.save(str(tmp_path / "t"), {"model": model}, async_save=True, snapshot="overlapped")
+    handle._future.result(timeout=60)  # nothing of bytecheckpoint called meanwhile
+    assert handle._snapshot is not None and handle._snapshot.confirmed.is_set()
+    fresh, _ = _linear()
+    torch.nn.init.zeros_(fresh.weight)
+    bcp.load(str(tmp_path / "t"), {"model": fresh})
+    assert all(same_bits(v, ref[k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "inf", "nan"])
+def test_a_bad_confirm_timeout_fails_save_before_anything_runs(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("BCP_SNAPSHOT_CONFIRM_S", value)
+    model, _ = _linear()
+    with pytest.raises(bcp.InvalidArgumentError, match="BCP_SNAPSHOT_CONFIRM_S"):
+        bcp.save(str(tmp_path / "b"), {"model": model}, async_save=True, snapshot="overlapped")
+    assert not (tmp_path / "b").exists()
 
 
 class _WithBatchNorm(torch.nn.Module):
