@@ -20,10 +20,15 @@ and every rank loads on its own group too.
 from __future__ import annotations
 
 import os
+import posixpath
+import warnings
 from typing import Any
 
 import bytecheckpoint as bcp
 from bytecheckpoint.errors import InvalidArgumentError, NotACheckpointError
+from bytecheckpoint.manage.catalog import RootListing
+from bytecheckpoint.manage.deletion import DeletionRefusedError, delete_on_storage
+from bytecheckpoint.storage import open_storage
 
 from .tree import load_tree, to_state
 
@@ -112,19 +117,29 @@ class BytecheckpointIO(CheckpointIO):
                                        "(or None for the CPU)") from None
 
     def remove_checkpoint(self, path: Any) -> None:
-        import shutil
-
+        """Lightning's ``save_top_k`` removing an old checkpoint, on any storage. It goes
+        through the library's deletion (under the path's save lock, metadata first), so a
+        pinned or being-read checkpoint, or one cooled to another tier, is kept with a warning
+        instead of failing training; a path that is no checkpoint is refused by name."""
         self.wait()
         path = os.fspath(path)
-        if os.path.isfile(path) or os.path.islink(path):
+        if "://" not in path and (os.path.isfile(path) or os.path.islink(path)):
             os.remove(path)  # a checkpoint file an earlier run wrote without the plugin
-        elif os.path.isdir(path):
-            if not os.path.isfile(os.path.join(path, _METADATA_FILE)):
-                raise NotACheckpointError(
-                    f"refusing to remove {path}: it is a directory but not a committed bytecheckpoint "
-                    "checkpoint (no metadata.msgpack); remove it by hand if it is yours")
-            os.remove(os.path.join(path, _METADATA_FILE))  # uncommitted first, so no reader trusts it
-            shutil.rmtree(path)
+            return
+        storage, where = open_storage(path)
+        where = where.rstrip("/")
+        if not storage.exists(where):
+            return  # nothing there (Lightning's own CheckpointIO does the same)
+        parent, name = posixpath.split(where)
+        found = [c for c in RootListing(storage, parent or ".").list(details=False) if c.name == name]
+        if not found:
+            raise NotACheckpointError(
+                f"refusing to remove {path}: it is not a committed bytecheckpoint checkpoint (no "
+                f"{_METADATA_FILE}); remove it by hand if it is yours")
+        try:
+            delete_on_storage(storage, found[0])
+        except DeletionRefusedError as exc:
+            warnings.warn(f"Lightning asked to remove {path}; kept: {exc}", RuntimeWarning, stacklevel=2)
 
     def wait(self) -> None:
         """Finish the save in flight, raising its error."""

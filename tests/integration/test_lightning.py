@@ -120,3 +120,26 @@ def test_hostile_placeholder_is_refused(tmp_path: os.PathLike) -> None:
     bcp.save(str(tmp_path / "bad"), {"tree": {"w": ("__bcp_tensor__", "w", "float32", [10**12])}})
     with pytest.raises(CorruptCheckpointError, match="placeholder"):
         BytecheckpointIO().load_checkpoint(tmp_path / "bad")
+
+
+def test_remove_checkpoint_keeps_pinned_ones_and_works_on_any_storage(tmp_path: os.PathLike) -> None:
+    """save_top_k removes through the library's deletion: a pin is honoured (kept, with a
+    warning, training goes on), and a checkpoint on an object store by URL is removed too."""
+    from bytecheckpoint.commit.leases import pin
+
+    io = BytecheckpointIO()
+    for name in ("a.ckpt", "b.ckpt"):
+        io.save_checkpoint(_checkpoint(), tmp_path / name)
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+    pin(str(tmp_path / "b.ckpt"), reason="the best one")
+    with pytest.warns(RuntimeWarning, match="kept: .*pinned"):
+        io.remove_checkpoint(tmp_path / "b.ckpt")
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["global_step"] == 7
+    io.remove_checkpoint(tmp_path / "never-saved.ckpt")  # nothing there: nothing to do
+    url = f"mem://lightning-{os.getpid()}/run/c.ckpt"
+    io.save_checkpoint(_checkpoint(), url)
+    assert io.load_checkpoint(url)["global_step"] == 7
+    io.remove_checkpoint(url)
+    with pytest.raises(NotACheckpointError):
+        io.load_checkpoint(url)
