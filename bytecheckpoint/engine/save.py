@@ -27,6 +27,7 @@ import dataclasses
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,6 +186,7 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
             packed[id(v)] = (b, (len(b), xxhash.xxh3_64_intdigest(b)))
         blobs[f"shared:{k}"], shared[k] = packed[id(v)]
     blobs.update({f"rank:{k}": codec.encode(v) for k, v in flat.rank_objects.items()})
+    _warn_big_objects(blobs)
     own_bytes = sum(len(b) for k, b in blobs.items() if k.startswith("rank:"))
     job.flat, job.framework, job.blobs = flat, planner.name, blobs
     job.layout = planner.layout(flat, comm)
@@ -192,6 +194,26 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     job.local = LocalSavePlan(comm.rank, [], own_bytes, shared)
     job.rows = rows
     job.boxes_digest = digest
+
+
+BIG_OBJECT_BYTES = 64 << 20
+_WARNED_BIG: set[str] = set()
+
+
+def _warn_big_objects(blobs: dict[str, bytes]) -> None:
+    """A large per-rank object is nearly always a state dict of tensors passed instead of its
+    module (``{"model": model.state_dict()}``): it still saves and loads, but as one packed
+    blob per rank, so replicas are not deduplicated and nothing reshards. Said once per key."""
+    for name, blob in blobs.items():
+        key = name.removeprefix("rank:")
+        if name.startswith("rank:") and len(blob) >= BIG_OBJECT_BYTES and key not in _WARNED_BIG:
+            _WARNED_BIG.add(key)
+            warnings.warn(
+                f"state[{key!r}] is saved per rank as one packed object of {len(blob) >> 20} MiB "
+                "(a plain value, not a module or optimizer): every rank writes its own copy and "
+                "it cannot be resharded. Pass modules and optimizers themselves, e.g. "
+                "{'model': model, 'optimizer': optim}, to store their tensors one by one",
+                RuntimeWarning, stacklevel=4)
 
 
 def _local_plan(job: _Job) -> LocalSavePlan:

@@ -363,6 +363,32 @@ def _flatten_reshardable(key: str, value: Any, flat: FlatState, for_load: bool,
     flat.appliers.append(apply)
 
 
+def into(old: Any, new: Any) -> Any:
+    """``new`` (a loaded packed object) landed in ``old`` (what the caller passed) where they
+    match: a tensor of the same shape and dtype is copied into in place, so a dict such as
+    ``model.state_dict()`` updates the tensors it aliases (the model's parameters, as DCP's
+    in-place load does); dicts and lists keep their identity. Anything else is replaced."""
+    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+        if (type(old) in (torch.Tensor, nn.Parameter) and old.shape == new.shape and old.dtype == new.dtype
+                and not old.is_inference()):
+            try:
+                with torch.no_grad():
+                    old.copy_(new)
+                return old
+            except RuntimeError:  # not writable in place (an expanded view): replaced instead
+                return new
+        return new
+    if isinstance(old, MutableMapping) and isinstance(new, Mapping):
+        merged = {k: into(old[k], v) if k in old else v for k, v in new.items()}
+        old.clear()
+        old.update(merged)
+        return old
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        old[:] = [into(o, n) for o, n in zip(old, new)]
+        return old
+    return new
+
+
 def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat: FlatState) -> None:
     flat.kinds[key] = KIND_EXTRA
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
@@ -376,14 +402,8 @@ def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat:
         flat.rank_objects[key] = value
 
         def apply(_shared: dict[str, Any], rank: dict[str, Any]) -> None:
-            if key not in rank:
-                return
-            loaded = rank[key]
-            if isinstance(value, MutableMapping) and isinstance(loaded, Mapping):
-                value.clear()  # keep the caller's dict object, as torch's load does
-                value.update(loaded)
-            else:
-                state[key] = loaded
+            if key in rank:  # the caller's containers and tensors are kept, as torch's load does
+                state[key] = into(value, rank[key])
 
     flat.appliers.append(apply)
 
