@@ -63,8 +63,9 @@ def test_a_tensor_that_cannot_be_written_in_place_is_replaced():
     assert same_bits(got, torch.ones(3)) and same_bits(frozen, torch.zeros(3))
 
 
+_tensors = st.builds(lambda n, k: torch.full((n,), float(k)), st.integers(0, 3), st.integers(0, 9))
 _values = st.recursive(
-    st.integers(-5, 5) | st.builds(lambda n, k: torch.full((n,), float(k)), st.integers(0, 3), st.integers(0, 9)),
+    st.integers(-5, 5) | _tensors,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("abc"), inner, max_size=3),
     max_leaves=8)
 
