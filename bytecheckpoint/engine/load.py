@@ -253,10 +253,13 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
     with span("load.metadata"):
         storage, path, meta, identity = _open_checkpoint(url)
     verify = verify and getattr(storage, "checksummed", True)
-    saved_keys = {tm.key for tm in meta.tensors} | {o.key for o in meta.objects}
+    object_keys = {o.key for o in meta.objects}
+    saved_keys = {tm.key for tm in meta.tensors} | object_keys
+    tensor_roots = {tm.key.split("/", 1)[0] for tm in meta.tensors}
     flat = flatten_state(
         state, for_load=True, fqn_map=fqn_map,
         has_saved_state=lambda prefix: any(k.startswith(prefix) for k in saved_keys),
+        saved_as_tensors=lambda key: key in tensor_roots and key not in object_keys,
     )
     planner = get_planner(framework, flat, comm)
     file_index = {f.name: i for i, f in enumerate(meta.files)}

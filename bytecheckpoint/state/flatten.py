@@ -321,6 +321,12 @@ def _flatten_sharded_dict(key: str, value: MutableMapping[str, Any], flat: FlatS
         else:
             flat.shared_objects[f"{key}/{name}"] = leaf
             plain[f"{key}/{name}"] = path
+    flat.appliers.append(_put_back(value, plain))
+
+
+def _put_back(value: Any, plain: dict[str, tuple[str, ...]]
+              ) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    """The applier that stores each loaded shared object at its path in ``value``."""
 
     def apply(shared: dict[str, Any], _rank: dict[str, Any]) -> None:
         for entry, path in plain.items():
@@ -334,7 +340,24 @@ def _flatten_sharded_dict(key: str, value: MutableMapping[str, Any], flat: FlatS
                 elif isinstance(node, MutableMapping):
                     node[last] = shared[entry]
 
-    flat.appliers.append(apply)
+    return apply
+
+
+def _flatten_tensor_dict(key: str, value: MutableMapping[str, Any], flat: FlatState) -> None:
+    """Loads only: a dict such as ``model.state_dict()`` or DCP's ``get_state_dict`` model
+    dict, where the checkpoint holds tensors under ``key/`` (saved from a module, or by DCP).
+    Its tensors are load targets, filled in place and resharded like a module's (plain
+    tensors are whole tensors, DTensors their shards); its other leaves get the saved values."""
+    flat.kinds[key] = KIND_OPTIM if "optim" in key else KIND_MODEL
+    plain: dict[str, tuple[str, ...]] = {}
+    for path, leaf in _leaves(value):
+        name = f"{key}/{clean_fqn('.'.join(path))}"
+        if isinstance(leaf, torch.Tensor):
+            flat.tensors[name] = leaf
+        else:
+            flat.shared_objects[name] = leaf
+            plain[name] = path
+    flat.appliers.append(_put_back(value, plain))
 
 
 def is_reshardable(value: Any) -> bool:
@@ -414,11 +437,14 @@ def flatten_state(
     for_load: bool = False,
     has_saved_state: Callable[[str], bool] = lambda prefix: True,
     fqn_map: FqnMap | None = None,
+    saved_as_tensors: Callable[[str], bool] = lambda key: False,
 ) -> FlatState:
     """Flatten ``state`` (modules, optimizers, sharded dicts, stateful objects, plain values).
 
     ``fqn_map`` renames this rank's parameter FQNs to global ones (pipeline stages that
-    number their layers from zero, as Megatron does).
+    number their layers from zero, as Megatron does). ``saved_as_tensors(key)`` (loads): the
+    checkpoint holds ``state[key]`` as tensors, not as a packed value, so a dict there is a
+    dict of load targets (``_flatten_tensor_dict``).
     """
     fqn_map = fqn_map or _identity
     if not isinstance(state, MutableMapping):
@@ -440,6 +466,8 @@ def flatten_state(
             _flatten_sharded_dict(key, value, flat)
         elif is_reshardable(value):
             _flatten_reshardable(key, value, flat, for_load, has_saved_state)
+        elif for_load and isinstance(value, MutableMapping) and saved_as_tensors(key):
+            _flatten_tensor_dict(key, value, flat)
         else:
             _flatten_object(key, value, state, flat)
     return flat

@@ -1,0 +1,67 @@
+"""A checkpoint of modules (or a DCP directory) loads into a plain state dict as well, DCP's
+idiom ``load({"model": model.state_dict()})``: its tensors are filled in place and resharded,
+so the model they alias is loaded. The functions without ``test_`` run on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import bytecheckpoint as bcp
+from tests.support.helpers import same_bits
+from tests.support.workloads import full_state, make_fsdp2, make_plain, train_step
+
+
+def _model_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in full_state(model, torch.optim.SGD(model.parameters(), lr=0.1)).items()
+            if k.startswith("model/")}
+
+
+def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(k for k in a if not same_bits(a[k], b[k])) + sorted(set(a) ^ set(b))
+
+
+def load_into_state_dicts(root: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    model, optim = make_fsdp2(seed=0)
+    train_step(model, optim, 0, rank)
+    bcp.save(f"{root}/bcp", {"model": model, "optimizer": optim})
+    dcp.save({"model": model.state_dict()}, checkpoint_id=f"{root}/dcp")
+    ref = _model_bits(model)
+    for source in ("bcp", "dcp"):
+        # FSDP2 on the same ranks: DTensor shards of the state dict, in place
+        fsdp2, _ = make_fsdp2(seed=5)
+        bcp.load(f"{root}/{source}", {"model": fsdp2.state_dict()})
+        out[f"{source}->fsdp2"] = _differs(ref, _model_bits(fsdp2))
+        # every rank a whole plain model (consolidation), in place
+        plain, _ = make_plain(seed=5)
+        sd = plain.state_dict()
+        result = bcp.load(f"{root}/{source}", {"model": sd})
+        out[f"{source}->plain"] = _differs(ref, _model_bits(plain))
+        out[f"{source}->plain aliases"] = all(sd[k].data_ptr() == v.data_ptr()
+                                              for k, v in plain.state_dict().items())
+        out[f"{source}->plain bytes"] = result.bytes_read
+    # a key the state dict lacks is named, not skipped
+    plain, _ = make_plain(seed=5)
+    sd = plain.state_dict()
+    sd.pop(next(iter(sd)))
+    try:
+        bcp.load(f"{root}/bcp", {"model": sd})
+        out["missing"] = None
+    except bcp.MissingKeysError as exc:
+        out["missing"] = str(exc)
+    return out
+
+
+def test_module_and_dcp_checkpoints_load_into_plain_state_dicts(world, tmp_path):
+    for r in world(2).run(load_into_state_dicts, str(tmp_path)):
+        for source in ("bcp", "dcp"):
+            assert r[f"{source}->fsdp2"] == [], source
+            assert r[f"{source}->plain"] == [], source
+            assert r[f"{source}->plain aliases"]
+            assert r[f"{source}->plain bytes"] > 0
+        assert r["missing"] is not None and "in the checkpoint but not in the state" in r["missing"]
