@@ -89,6 +89,16 @@ class Snapshot:
     def finished(self) -> None:
         self.queued.set()
         self.done.set()
+        self._retire()
+
+    def _retire(self) -> None:
+        """The step hook may forget this snapshot once its copy is done (on CUDA every step
+        until then makes its stream wait for the copy) and it is confirmed."""
+        global _ACTIVE
+        if self.done.is_set() and self.confirmed.is_set():
+            with _LOCK:
+                if _ACTIVE is self:
+                    _ACTIVE = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the copy; once it is done, confirm from this thread (True)."""
@@ -106,16 +116,13 @@ class Snapshot:
         every in-place write this thread issued before has bumped its counter by now, so the
         first call compares the counters with those of save(); from then on writes are the
         next state's."""
-        global _ACTIVE
         if self.confirmed.is_set():
             return
         with self._confirm_lock:
             if not self.confirmed.is_set():
                 self.changed_name = self.changed()
                 self.confirmed.set()
-        with _LOCK:
-            if _ACTIVE is self:
-                _ACTIVE = None
+        self._retire()
 
     def settle(self, timeout: float | None = None) -> None:
         """On the save's thread, before this rank reports its files written: wait for a
