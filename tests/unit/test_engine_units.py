@@ -448,3 +448,22 @@ def test_a_failed_file_check_replaces_the_raw_read_error_of_the_same_file(tmp_pa
     os.remove(tmp_path / "f")  # every read of it fails with FileNotFoundError
     outcome = pipe.run()
     assert isinstance(outcome.error, CorruptCheckpointError) and "missing" in str(outcome.error)
+
+
+def test_a_confirmed_snapshot_stays_with_the_step_hook_until_its_copy_is_done():
+    """On CUDA training may confirm once the copies are queued; every optimizer step until
+    they are done must still make its stream wait, so the step hook keeps the snapshot."""
+    from bytecheckpoint.engine import snapshot
+
+    snap = snapshot.begin({}, changed=lambda: None)
+    try:
+        snap.queued.set()
+        snap.events = {torch.device("cpu"): object()}  # as if copies were queued on a device
+        assert snap.released()
+        snap.pass_by()  # a forward: confirms without waiting
+        assert snap.confirmed.is_set() and snap.changed_name is None
+        assert snapshot._ACTIVE is snap  # not done: later steps still wait on the copy
+        snap.finished()
+        assert snapshot._ACTIVE is None
+    finally:
+        snap.finished()
