@@ -412,6 +412,29 @@ def into(old: Any, new: Any) -> Any:
     return new
 
 
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _flatten_stateful_tensors(key: str, value: Any, flat: FlatState) -> None:
+    """Loads only: a ``Stateful`` (state_dict / load_state_dict) whose checkpoint entry is a
+    group of tensors (DCP saves a Stateful's state dict as it is, tensors as tensors). Its
+    current ``state_dict()`` is the template the saved tensors and values load into; then it
+    gets ``load_state_dict`` with the filled template."""
+    template = value.state_dict()
+    if not isinstance(template, MutableMapping):
+        raise UnsupportedStateError(
+            f"state[{key!r}].state_dict() returned a {type(template).__name__}, not a dict; the "
+            "checkpoint holds tensors under this key, which load into a dict only")
+    _flatten_tensor_dict(key, template, flat)
+    flat.kinds[key] = KIND_EXTRA
+
+    def apply(_shared: dict[str, Any], _rank: dict[str, Any]) -> None:
+        value.load_state_dict(template)  # after _flatten_tensor_dict's applier filled it
+
+    flat.appliers.append(apply)
+
+
 def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat: FlatState) -> None:
     flat.kinds[key] = KIND_EXTRA
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
@@ -468,6 +491,8 @@ def flatten_state(
             _flatten_reshardable(key, value, flat, for_load, has_saved_state)
         elif for_load and isinstance(value, MutableMapping) and saved_as_tensors(key):
             _flatten_tensor_dict(key, value, flat)
+        elif for_load and _is_stateful(value) and saved_as_tensors(key):
+            _flatten_stateful_tensors(key, value, flat)
         else:
             _flatten_object(key, value, state, flat)
     return flat

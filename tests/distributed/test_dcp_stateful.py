@@ -14,6 +14,7 @@ from torch import nn
 
 import bytecheckpoint as bcp
 from bytecheckpoint.cli.app import main
+from bytecheckpoint.errors import UnsupportedStateError
 
 
 class Loader:
@@ -81,3 +82,42 @@ def test_what_convert_left_out_is_reported_on_later_loads(tmp_path):
     assert loader.state == TITAN and position == POSITION
     assert [s.split(" ", 1)[0] for s in result.skipped] == ["extra.opaque"]
     assert not os.path.exists(marker)
+
+
+class TensorState:
+    """A ``Stateful`` whose state dict holds tensors, as a trainer's step counter or a
+    scaler's running values: DCP saves those as tensors."""
+
+    def __init__(self, step: int, scale: float) -> None:
+        self.step = torch.tensor(step)
+        self.scale = torch.full((3,), scale)
+        self.name = "train"
+        self.loaded = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "scale": self.scale, "name": self.name}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.scale, self.name = state["step"], state["scale"], state["name"]
+        self.loaded += 1
+
+
+def test_a_stateful_with_tensors_loads_from_its_tensor_group(tmp_path):
+    path = str(tmp_path / "dcp")
+    saved = TensorState(41, 0.5)
+    saved.name = "resumed"
+    dcp.save({"model": nn.Linear(3, 2).state_dict(), "train": saved}, checkpoint_id=path)
+    target = TensorState(0, 1.0)
+    result = bcp.load(path, {"model": nn.Linear(3, 2), "train": target})
+    assert target.loaded == 1 and result.skipped == []
+    assert torch.equal(target.step, torch.tensor(41)) and torch.equal(target.scale, torch.full((3,), 0.5))
+    assert target.name == "resumed"
+    # a Stateful whose state_dict() is no dict cannot take a group of tensors: named
+    bad = TensorState(0, 1.0)
+    bad.state_dict = lambda: [1, 2]  # type: ignore[method-assign]
+    try:
+        bcp.load(path, {"model": nn.Linear(3, 2), "train": bad})
+    except UnsupportedStateError as exc:
+        assert "train" in str(exc) and "not a dict" in str(exc)
+    else:
+        raise AssertionError("a non-dict state_dict() was accepted")
