@@ -17,10 +17,10 @@ committed, classifiable and on the live timeline. The checkpoints are read by at
 
 from __future__ import annotations
 
-from typing import Any
+from .records import CheckpointInfo
 
 
-def untouchable_reason(c: Any) -> str | None:
+def untouchable_reason(c: CheckpointInfo) -> str | None:
     """Why ``c`` may be neither moved nor deleted; None if it may."""
     if c.problem is not None:
         return f"cannot be classified: {c.problem}"
@@ -37,7 +37,7 @@ def untouchable_reason(c: Any) -> str | None:
     return None
 
 
-def protected_reason(c: Any) -> str | None:
+def protected_reason(c: CheckpointInfo) -> str | None:
     """Why retention may never delete ``c``; None if it may."""
     why = untouchable_reason(c)
     if why is None and c.abandoned:
@@ -45,6 +45,6 @@ def protected_reason(c: Any) -> str | None:
     return why
 
 
-def counted(c: Any) -> bool:
+def counted(c: CheckpointInfo) -> bool:
     """Whether ``c`` takes a place in a retention policy's counts."""
     return c.committed and c.problem is None and not c.abandoned
