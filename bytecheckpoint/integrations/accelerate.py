@@ -22,6 +22,7 @@ the accelerator saves all of it through one path, on every process at once.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -72,6 +73,8 @@ class _LoaderPosition:
             state["sampler_seed"] = int(sampler.initial_seed)
         if getattr(self.loader, "use_stateful_dataloader", False):
             state["loader"] = self.loader.state_dict()
+            if sampler is None and _reshuffles_from_global_rng(self.loader):
+                _warn_unseeded(self.loader)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -82,6 +85,30 @@ class _LoaderPosition:
             sampler.initial_seed = int(state["sampler_seed"])
         if "loader" in state and getattr(self.loader, "use_stateful_dataloader", False):
             self.loader.load_state_dict(state["loader"])
+
+
+def _reshuffles_from_global_rng(loader: Any) -> bool:
+    """A shuffling sampler without a generator of its own draws each epoch's order from torch's
+    global RNG when the epoch starts: a resumed process cannot draw that order again."""
+    import torch.utils.data as tud
+
+    get = getattr(loader, "get_sampler", None)
+    sampler = get() if callable(get) else None
+    return isinstance(sampler, tud.RandomSampler) and sampler.generator is None
+
+
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _warn_unseeded(loader: Any) -> None:
+    if loader not in _WARNED:
+        _WARNED.add(loader)
+        warnings.warn(
+            "a stateful data loader with a plain shuffling sampler is saved mid-epoch, but its "
+            "epoch order came from torch's global RNG when the epoch began, so a resumed run "
+            "skips the batches already seen of a *different* order. For an exact resume pass "
+            "DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True) "
+            "to the Accelerator", RuntimeWarning, stacklevel=3)
 
 
 _RESUMED: weakref.WeakKeyDictionary[Any, KeptRNG] = weakref.WeakKeyDictionary()

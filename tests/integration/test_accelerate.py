@@ -62,3 +62,40 @@ def test_fresh_start_and_bad_input(tmp_path: os.PathLike, accelerator: Accelerat
     with pytest.raises(MissingKeysError, match="model_1"):
         load_state(accelerator, str(tmp_path / "ck"))
     assert other.weight.shape == (2, 2)
+
+
+def _stateful_run(tmp_path: os.PathLike, resume: bool, seedable: bool = True) -> list[list[int]]:
+    """3 batches, a save, then 3 more (or, with ``resume``, a fresh Accelerator that loads the
+    save and takes 3): a loader with ``use_stateful_dataloader=True`` resumes mid-epoch."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DataLoaderConfiguration
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    config = DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=seedable)
+    acc = Accelerator(cpu=True, dataloader_config=config)
+    torch.manual_seed(0)
+    loader = acc.prepare(torch.utils.data.DataLoader(list(range(40)), batch_size=4, shuffle=True))
+    path = str(tmp_path / "ck" / "step_3")
+    if resume:
+        assert load_state(acc, path) == 3
+        batches = iter(loader)
+    else:
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+        save_state(acc, path, step=3)
+    return [next(batches).tolist() for _ in range(3)]
+
+
+def test_a_stateful_data_loader_resumes_mid_epoch(tmp_path: os.PathLike) -> None:
+    pytest.importorskip("torchdata")
+    straight = _stateful_run(tmp_path, resume=False)
+    resumed = _stateful_run(tmp_path, resume=True)
+    assert resumed == straight  # the batches after the save, not the epoch's first ones
+
+
+def test_an_unseeded_shuffling_stateful_loader_is_warned_about(tmp_path: os.PathLike) -> None:
+    """Its epoch order cannot be drawn again after a restart: said at the save, with the fix."""
+    pytest.importorskip("torchdata")
+    with pytest.warns(RuntimeWarning, match="use_seedable_sampler=True"):
+        _stateful_run(tmp_path, resume=False, seedable=False)
