@@ -51,6 +51,11 @@ class SaveHandle:
                     self._future.set_result(work())
                 except BaseException as exc:  # reported through the handle
                     self._future.set_exception(exc)
+                finally:
+                    # However the save ended, nobody may wait for its copy any longer (a copy
+                    # thread that never started would otherwise leave training waiting).
+                    if self._snapshot is not None and not self._snapshot.done.is_set():
+                        self._snapshot.finished()
 
         self._run = run
         if not deferred:

@@ -467,3 +467,25 @@ def test_a_confirmed_snapshot_stays_with_the_step_hook_until_its_copy_is_done():
         assert snapshot._ACTIVE is None
     finally:
         snap.finished()
+
+
+def test_a_save_that_fails_before_its_copy_starts_releases_training(tmp_path, monkeypatch):
+    """If the overlapped save's work fails before any copy (here: the staging thread cannot
+    start), the snapshot is still marked done: the step hook, wait() and the next save return
+    with the error instead of waiting for a copy that never comes."""
+    import bytecheckpoint as bcp
+    from bytecheckpoint.engine import save as save_mod
+
+    monkeypatch.setenv("BCP_STAGING_MAX_BYTES", str(1 << 20))  # the copy runs in rounds
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB: more than the bound
+
+    def no_thread(*_args, **_kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(save_mod._Sources, "stage_in_background", no_thread)
+    handle = bcp.save(str(tmp_path / "x"), {"model": model}, async_save=True, snapshot="overlapped",
+                      chunk_bytes=1 << 18)
+    assert handle.wait_snapshot(timeout=30)
+    with pytest.raises(RuntimeError, match="new thread"):
+        handle.wait(timeout=30)
+    assert not (tmp_path / "x").exists()
