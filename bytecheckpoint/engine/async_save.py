@@ -76,6 +76,12 @@ class SaveHandle:
         snap = self._snapshot
         return snap is None or snap.wait(timeout)
 
+    def _confirm_then_left(self, timeout: float | None) -> float | None:
+        """Confirm within ``timeout``; what is left of it for waiting on the save."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._confirm(timeout)
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
     def done(self) -> bool:
         """True when the save has committed or failed."""
         self._confirm(timeout=0)
@@ -98,10 +104,9 @@ class SaveHandle:
 
         Raises ``TimeoutError`` if it is still running after ``timeout`` seconds."""
         self._observed = True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._confirm(timeout)
+        left = self._confirm_then_left(timeout)
         try:
-            return self._future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            return self._future.result(left)
         finally:
             if self._future.done() and self._snapshot is not None:
                 self._snapshot.remove_module_hooks()
@@ -111,9 +116,7 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None once it has committed (waits like ``wait``)."""
         self._observed = True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._confirm(timeout)
-        return self._future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._future.exception(self._confirm_then_left(timeout))
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")

@@ -261,15 +261,16 @@ class Stager:
         finally:
             self.fail(self.error)  # pieces a cancel or an error left uncopied
 
+    def _moved(self, i: int) -> bool:
+        """Whether source ``i``'s version counter moved since save()."""
+        return _versions(self._watched[i]) != self.versions[i]
+
     def changed(self) -> str | None:
         """The name of the first source whose version counter moved since save(), or None."""
-        for i, watched in enumerate(self._watched):
-            if _versions(watched) != self.versions[i]:
-                return self.names[i]
-        return None
+        return next((self.names[i] for i in range(len(self._watched)) if self._moved(i)), None)
 
     def _check_unchanged(self, i: int) -> None:
-        if _versions(self._watched[i]) != self.versions[i]:
+        if self._moved(i):
             raise SnapshotChangedError(
                 f"{self.names[i]} was changed in place before this async save had copied it, so "
                 "the save would mix two training states; it is not committed. Call "

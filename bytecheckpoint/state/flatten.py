@@ -413,7 +413,7 @@ def into(old: Any, new: Any) -> Any:
 
 
 def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
 
 
 def _flatten_stateful_tensors(key: str, value: Any, flat: FlatState) -> None:
@@ -437,7 +437,7 @@ def _flatten_stateful_tensors(key: str, value: Any, flat: FlatState) -> None:
 
 def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat: FlatState) -> None:
     flat.kinds[key] = KIND_EXTRA
-    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+    if _is_stateful(value):
         flat.rank_objects[key] = value.state_dict()
         flat.per_rank_stateful.add(key)
 
