@@ -99,7 +99,10 @@ def save(
             with buffers wait for it, any other in-place change of a saved tensor must call
             ``handle.wait_snapshot()`` first (docs/performance.md, "Overlapped snapshot"). The
             save commits once training confirms the copy (its next step, forward or call on
-            the handle), or after ``BCP_SNAPSHOT_CONFIRM_S`` seconds.
+            the handle), or after ``BCP_SNAPSHOT_CONFIRM_S`` seconds. CPU tensors saved to
+            local disk are written straight from the live tensors, with no copy and no
+            staging memory, and the step waits for that write instead
+            (``BCP_SNAPSHOT_WRITE_THROUGH=0``: copy first).
         staging_max_bytes: the most host memory this rank stages the save into (async saves,
             device tensors; default ``BCP_STAGING_MAX_BYTES``, else one copy of the rank's
             share). Below the share the copy runs in rounds that wait for the writer, so an

@@ -88,9 +88,10 @@ class SaveHandle:
         return self._future.done()
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
-        """Block until the saved tensors are copied (or the copy failed), so they may be
-        changed in any way; True unless ``timeout`` seconds passed first. Returns at once for
-        a blocking snapshot. The save's own error, if any, comes from ``wait()``."""
+        """Block until the saved tensors are copied, or written when an overlapped save
+        writes straight from them (or until that failed), so they may be changed in any way;
+        True unless ``timeout`` seconds passed first. Returns at once for a blocking
+        snapshot. The save's own error, if any, comes from ``wait()``."""
         snap = self._snapshot
         if snap is None:
             return True

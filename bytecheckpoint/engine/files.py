@@ -93,10 +93,15 @@ def _blocks(p: Piece, chunk_bytes: int) -> Iterator[memoryview]:
     data = memoryview(p.source()).cast("B")
     if len(data) != p.nbytes:
         raise RuntimeError(f"{p.name}: produced {len(data)} bytes, planned {p.nbytes}")
-    # Blocks are multiples of the checksum chunk, so chunk boundaries line up.
-    block = transfer_block(chunk_bytes, _WRITE_BLOCK)
+    block = write_block(chunk_bytes)
     for start in range(0, len(data), block):
         yield data[start : start + block]
+
+
+def write_block(chunk_bytes: int) -> int:
+    """The block a piece is hashed and written in: whole checksum chunks, so that chunk
+    boundaries line up, of about ``_WRITE_BLOCK`` bytes."""
+    return transfer_block(chunk_bytes, _WRITE_BLOCK)
 
 
 def transfer_block(chunk_bytes: int, target: int) -> int:

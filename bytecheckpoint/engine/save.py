@@ -71,13 +71,14 @@ from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
-from . import host_files, pieces_memo, snapshot, staging, staging_ring
+from . import host_files, pieces_memo, snapshot, staging, staging_ring, write_through
 from .async_save import SaveHandle, launch_pending, set_pending, wait_pending
 from .host_files import HostLayout
 from .messages import Assign, Assignment, Committed, PlanRequest, Replan, SaveOptions, Totals, Written
 from .snapshot import Snapshot, SnapshotMode
 from .staging import Stager
 from .staging_ring import CappedStager
+from .write_through import WriteThroughStager
 from .writer import KIND_ORDER, Entry, rank_entries, tensor_bytes, write_rank
 
 
@@ -123,6 +124,7 @@ class _Job:
     rows: list[Any] | None = None  # the local plan's items as tuples, until _local_plan makes them
     lock: save_lock.SaveLock | None = None  # coordinator: held from begin_save to the commit's end
     snapshot: Snapshot | None = None  # an overlapped save's copy, settled before the commit
+    forward_waits: bool = False  # a saved module waits for an overlapped snapshot in forward
 
     def release(self) -> None:
         if self.lock is not None:
@@ -189,6 +191,7 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     _warn_big_objects(blobs)
     own_bytes = sum(len(b) for k, b in blobs.items() if k.startswith("rank:"))
     job.flat, job.framework, job.blobs = flat, planner.name, blobs
+    job.forward_waits = any(snapshot.waits_in_forward(m) for m in snapshot.saved_modules(state))
     job.layout = planner.layout(flat, comm)
     # The items themselves are made only if the plan cache misses (_local_plan).
     job.local = LocalSavePlan(comm.rank, [], own_bytes, shared)
@@ -446,6 +449,9 @@ def _stager(job: _Job, assignment: Assignment, views: list[torch.Tensor]) -> Sta
     owners = [flat.get(item.key) for item in assignment.items]  # a tensor, or a TensorShard
     owners = [o if isinstance(o, torch.Tensor) else v for o, v in zip(owners, views)]
     names = [item.key for item in assignment.items]
+    if (job.opts.async_save and job.opts.snapshot == SnapshotMode.OVERLAPPED
+            and write_through.applies(views, job.storage, job.forward_waits, job.host is not None)):
+        return WriteThroughStager(views, names, owners, job.opts.chunk_bytes)
     cap = staging_ring.staging_cap(job.opts.staging_max_bytes)
     need = sum(-(-v.numel() * v.element_size() // 64) * 64 for v in views)
     if cap is None or need <= cap:
@@ -498,6 +504,8 @@ def _write(job: _Job, assignment: Assignment, sources: _Sources, makedirs: bool
                                  job.flat, _objects(job, assignment), job.comm.rank,
                                  job.opts.chunk_bytes,
                                  file_tag=data_file_tag(job.storage, job.opts.overwrite, assignment.save_id))
+        if isinstance(sources.stager, WriteThroughStager):
+            sources.stager.finish()  # every piece has gone through write(): the snapshot is taken
         if job.snapshot is not None:  # an in-place write racing the copy fails the save here
             with span("save.confirm"):
                 job.snapshot.settle()
@@ -611,7 +619,9 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
 def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _Sources,
                       state: dict[str, Any]) -> SaveHandle:
     """snapshot="overlapped": the copy and then the write run on the save's thread; training's
-    writers wait for the copy through the hooks of ``snapshot.begin``."""
+    writers wait for the copy through the hooks of ``snapshot.begin``. Written through (host
+    tensors, a page-cached storage: ``write_through``), there is no copy: they wait for the
+    write to have taken every piece."""
     stager = sources.stager
     snap = snapshot.begin(state, stager.changed if stager is not None else lambda: None)
     job.snapshot = snap
@@ -626,6 +636,17 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
 
     def work() -> SaveResult:
         t = time.perf_counter()
+        if isinstance(stager, WriteThroughStager):  # the write is the copy: done once written
+            def written() -> None:
+                job.phases["stage"] = time.perf_counter() - t
+                snap.finished()
+                release_gc()
+
+            stager.when_done(written)
+            try:
+                return _finish(job, assignment, hit, sources)
+            finally:
+                stager.finish()  # whatever happened, training no longer waits for this save
         if sources.capped:  # rounds: the copy reuses memory the writer has drained
             release_gc()
             sources.stage_in_background(on_queued=publish, on_done=snap.finished)

@@ -11,6 +11,8 @@ call, because everything that changes saved tensors on a schedule waits for the 
   pre-hook, installed once, that returns at once while no snapshot is in flight);
 - the forward of every module in the saved state that has buffers (BatchNorm statistics and
   DDP's buffer broadcast change buffers in forward): a forward pre-hook for this save.
+  (Modules without buffers get hooks that never wait: the start and the end of their
+  forward only confirm the snapshot, below.)
 
 Anything else that changes a saved tensor in place (an EMA update, a manual ``no_grad``
 write, ``load_state_dict``, a write from another thread) must first call
@@ -22,7 +24,7 @@ Catching it needs more than a check around each copy: an in-place op bumps its t
 counter only after it has written the data, so a write still running when the copy ends is
 invisible there. The save therefore does not commit until the snapshot is *confirmed*: the
 first time a thread of training reaches bytecheckpoint after the copy is released (an
-optimizer step, a forward of a saved module, any call on the handle, the next ``save`` or
+optimizer step, the start or end of a forward of a saved module, any call on the handle, the next ``save`` or
 ``load``, interpreter exit), every write that thread issued before has finished, and the
 counters are compared with those of ``save()`` there. Only then may the tensors change. If no
 thread comes within ``BCP_SNAPSHOT_CONFIRM_S`` seconds of the write's end, the save's own
@@ -30,7 +32,9 @@ thread compares them; only a write that started before the copy ended and is sti
 then could go unseen.
 
 On CUDA the copy runs on a side stream into pinned memory; the hooks make the caller's stream
-wait for it (no host synchronisation) once the copies are queued.
+wait for it (no host synchronisation) once the copies are queued. Host tensors saved to a
+page-cached storage are not copied at all: the writer writes from them, and "the copy is done"
+means every piece has gone through ``write()`` (``write_through``).
 """
 
 from __future__ import annotations
@@ -128,6 +132,8 @@ class Snapshot:
         """On the save's thread, before this rank reports its files written: wait for a
         confirmation (from here after ``timeout``, default ``BCP_SNAPSHOT_CONFIRM_S``); raise
         ``SnapshotChangedError`` if a saved tensor changed before it."""
+        if threading.get_ident() == self.creator:  # the save runs inline, in training's thread
+            self.confirm()
         if not self.confirmed.wait(confirm_timeout() if timeout is None else timeout):
             self.confirm()
         if self.changed_name is not None:
@@ -157,12 +163,16 @@ class Snapshot:
 
     def guard_modules(self, modules: Iterable[torch.nn.Module]) -> None:
         for module in modules:
-            if next(module.buffers(), None) is not None:
+            if waits_in_forward(module):
                 self._module_hooks.append(module.register_forward_pre_hook(
                     lambda _m, _args: self.before_write()))
             else:
                 self._module_hooks.append(module.register_forward_pre_hook(
                     lambda _m, _args: self.pass_by()))
+            # The end of forward confirms a snapshot taken during it (a write-through one often
+            # is): otherwise the commit would wait for the optimizer step, most of a step later.
+            self._module_hooks.append(module.register_forward_hook(
+                lambda _m, _args, _out: self.pass_by()))
 
     def remove_module_hooks(self) -> None:
         """On the thread that saved only: a hook list must not change under a running forward."""
@@ -171,6 +181,17 @@ class Snapshot:
         hooks, self._module_hooks = self._module_hooks, []
         for h in hooks:
             h.remove()
+
+
+def saved_modules(state: dict[str, Any]) -> list[torch.nn.Module]:
+    """The modules of a saved state whose forward the snapshot guards."""
+    return [v for v in state.values() if isinstance(v, torch.nn.Module)]
+
+
+def waits_in_forward(module: torch.nn.Module) -> bool:
+    """A module with buffers changes them in forward (BatchNorm statistics, DDP's buffer
+    broadcast): its forward waits for the snapshot."""
+    return next(module.buffers(), None) is not None
 
 
 def confirm_timeout() -> float:
@@ -208,5 +229,5 @@ def begin(state: dict[str, Any], changed: Callable[[], str | None]) -> Snapshot:
         if _STEP_HOOK is None:  # once per process: the hook does nothing while none is active
             _STEP_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
         _ACTIVE = snap
-    snap.guard_modules(v for v in state.values() if isinstance(v, torch.nn.Module))
+    snap.guard_modules(saved_modules(state))
     return snap

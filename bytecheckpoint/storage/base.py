@@ -57,6 +57,10 @@ def abort_quietly(writer: Writer) -> None:
 class Storage(abc.ABC):
     scheme: ClassVar[str]
     commit_mode: ClassVar[CommitMode] = CommitMode.RENAME
+    # True where a writer's write() returns once the bytes are copied into memory that is
+    # written back later (a page cache), never waiting on a network: an overlapped save may
+    # then write straight from live tensors (engine.write_through).
+    buffered_writes: ClassVar[bool] = False
 
     @abc.abstractmethod
     def open_writer(self, path: str) -> Writer: ...

@@ -166,6 +166,7 @@ class _LocalWriter(Writer):
 class LocalStorage(Storage):
     scheme = "file"
     commit_mode = CommitMode.RENAME
+    buffered_writes = True  # pwrite copies into the page cache
     # A disk file's cached pages are a copy, safe to drop once read; a subclass whose page
     # cache is the data itself (tmpfs) says so.
     page_cache_is_copy = True

@@ -42,6 +42,7 @@ class _MemoryWriter(Writer):
 class MemoryStorage(Storage):
     scheme = "mem"
     commit_mode = CommitMode.RENAME
+    buffered_writes = True  # write() keeps a copy of the bytes
 
     def open_writer(self, path: str) -> Writer:
         return _MemoryWriter(self, path.strip("/"))

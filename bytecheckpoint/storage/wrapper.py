@@ -18,6 +18,7 @@ class StorageWrapper(Storage):
         self.inner = inner
         self.scheme = inner.scheme  # type: ignore[misc]
         self.commit_mode = inner.commit_mode  # type: ignore[misc]
+        self.buffered_writes = inner.buffered_writes  # type: ignore[misc]
 
     def _call(self, op: str, path: str, fn: Callable[[], T], nbytes: int | None = None) -> T:
         return fn()

@@ -4,7 +4,10 @@ allows (issue 21). The functions without ``test_`` run on every rank of a gloo g
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -40,11 +43,30 @@ def _loaded(path: str) -> dict[str, Any]:
     return full_state(model, optim)
 
 
+@contextmanager
+def _snapshot_path(through: bool) -> Iterator[None]:
+    """In a rank: overlapped saves write from the live tensors (``through``) or copy into the
+    arena first (``BCP_SNAPSHOT_WRITE_THROUGH=0``). Both must keep the same promise."""
+    os.environ["BCP_SNAPSHOT_WRITE_THROUGH"] = "1" if through else "0"
+    try:
+        yield
+    finally:
+        del os.environ["BCP_SNAPSHOT_WRITE_THROUGH"]
+
+
+PATHS = pytest.mark.parametrize("through", [True, False], ids=["write-through", "arena"])
+
+
 def _same(ref: dict[str, Any], got: dict[str, Any]) -> list[str]:
     return [k for k, v in ref.items() if isinstance(v, torch.Tensor) and not same_bits(v, got[k])]
 
 
-def step_right_after_save(root: str) -> dict[str, Any]:
+def step_right_after_save(root: str, through: bool) -> dict[str, Any]:
+    with _snapshot_path(through):
+        return _step_right_after_save(root, through)
+
+
+def _step_right_after_save(root: str, through: bool) -> dict[str, Any]:
     """Gradients are ready when save() is called; the optimizer steps on the very next line."""
     model, optim = _fsdp2(seed=0)
     state = {"model": model, "optimizer": optim}
@@ -61,13 +83,19 @@ def step_right_after_save(root: str) -> dict[str, Any]:
         optim.step()  # changes every parameter and optimizer state: waits for the copy
         optim.zero_grad()
         after = full_state(model, optim)
-        handle.wait()
+        result = handle.wait()
+        out.setdefault("staged", []).append(result.staging_bytes)
         out["differs"].append(_same(ref, _loaded(f"{root}/s{k}")))
         out.setdefault("stepped", []).append(len(_same(ref, after)))
     return out
 
 
-def write_after_wait_snapshot(root: str) -> dict[str, Any]:
+def write_after_wait_snapshot(root: str, through: bool) -> dict[str, Any]:
+    with _snapshot_path(through):
+        return _write_after_wait_snapshot(root, through)
+
+
+def _write_after_wait_snapshot(root: str, through: bool) -> dict[str, Any]:
     """Any in-place write is allowed once wait_snapshot() has returned."""
     model, optim = _fsdp2(seed=1)
     state = {"model": model, "optimizer": optim}
@@ -87,7 +115,12 @@ def write_after_wait_snapshot(root: str) -> dict[str, Any]:
     return {"differs": _same(ref, _loaded(f"{root}/w"))}
 
 
-def write_without_waiting(root: str) -> dict[str, Any]:
+def write_without_waiting(root: str, through: bool) -> dict[str, Any]:
+    with _snapshot_path(through):
+        return _write_without_waiting(root, through)
+
+
+def _write_without_waiting(root: str, through: bool) -> dict[str, Any]:
     """A no_grad write right after save(), against the contract, fails the save by name:
     whether it landed before, during or after the copy, its counter has moved by the time
     this thread calls wait(), which confirms the snapshot before anything is committed."""
@@ -135,7 +168,12 @@ def _canonical(kind: str, model: torch.nn.Module, optim: torch.optim.Optimizer) 
     return canonical(model.module if kind == "ddp" else model, optim)
 
 
-def train_step_right_after_save(root: str) -> dict[str, list[str]]:
+def train_step_right_after_save(root: str, through: bool) -> dict[str, list[str]]:
+    with _snapshot_path(through):
+        return _train_step_right_after_save(root, through)
+
+
+def _train_step_right_after_save(root: str, through: bool) -> dict[str, list[str]]:
     """A whole training step (forward, backward, step) right after save(), in every parallel
     layout: forward and backward must leave the saved tensors' counters alone (or the
     confirmation would fail good saves), and the step waits for the copy."""
@@ -162,31 +200,36 @@ def train_step_right_after_save(root: str) -> dict[str, list[str]]:
     return out
 
 
-def test_snapshot_is_the_state_at_save_although_the_optimizer_steps_at_once(world, tmp_path):
-    results = world(2).run(step_right_after_save, str(tmp_path))
+@PATHS
+def test_snapshot_is_the_state_at_save_although_the_optimizer_steps_at_once(world, tmp_path, through):
+    results = world(2).run(step_right_after_save, str(tmp_path), through)
     for r in results:
         assert r["differs"] == [[], []]
+        assert all((s == 0) == through for s in r["staged"])  # the path the test is about ran
         assert all(n > 0 for n in r["stepped"])  # the step did change the state afterwards
     # the copy was still running when save() returned, at least once on some rank: the
     # optimizer's wait is what kept the step off the tensors
     assert any(any(r["copy_running"]) for r in results)
 
 
-def test_in_place_writes_after_wait_snapshot_do_not_reach_the_checkpoint(world, tmp_path):
-    for r in world(2).run(write_after_wait_snapshot, str(tmp_path)):
+@PATHS
+def test_in_place_writes_after_wait_snapshot_do_not_reach_the_checkpoint(world, tmp_path, through):
+    for r in world(2).run(write_after_wait_snapshot, str(tmp_path), through):
         assert r["differs"] == []
 
 
-def test_unhooked_write_after_save_fails_the_save_by_name(world, tmp_path):
-    results = world(2).run(write_without_waiting, str(tmp_path))
+@PATHS
+def test_unhooked_write_after_save_fails_the_save_by_name(world, tmp_path, through):
+    results = world(2).run(write_without_waiting, str(tmp_path), through)
     for r in results:
         assert r["error"] is not None and "wait_snapshot" in r["error"]
     assert all(r["own"] for r in results)  # each rank's own write, not only another rank's
     assert not (tmp_path / "x").exists()
 
 
-def test_a_training_step_right_after_save_keeps_every_layout_exact(world, tmp_path):
-    for r in world(2).run(train_step_right_after_save, str(tmp_path)):
+@PATHS
+def test_a_training_step_right_after_save_keeps_every_layout_exact(world, tmp_path, through):
+    for r in world(2).run(train_step_right_after_save, str(tmp_path), through):
         assert set(r) == {"ddp", "fsdp1", "fsdp1-orig", "fsdp2", "tp2"}
         assert all(v == [] for v in r.values()), r
 
@@ -231,6 +274,38 @@ def test_an_overlapped_save_commits_only_once_training_confirms(tmp_path, monkey
     torch.nn.init.zeros_(fresh.weight)
     bcp.load(str(path), {"model": fresh})
     assert all(same_bits(v, ref[k]) for k, v in fresh.state_dict().items())
+
+
+class _SlowForward(torch.nn.Module):
+    """A forward still running when the snapshot is taken (it waits for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(512, 512))
+        self.snapshot: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.snapshot.done.wait(60)
+        return x @ self.w
+
+
+@PATHS
+def test_a_snapshot_taken_during_forward_is_confirmed_at_its_end(tmp_path, monkeypatch, through):
+    """The pre-hook ran before the snapshot was taken, so it could not confirm; the end of the
+    same forward does, and the save commits without waiting for the optimizer step."""
+    monkeypatch.setenv("BCP_SNAPSHOT_WRITE_THROUGH", "1" if through else "0")
+    torch.manual_seed(0)
+    model = _SlowForward()
+    ref = model.w.detach().clone()
+    handle = bcp.save(str(tmp_path / "f"), {"model": model}, async_save=True, snapshot="overlapped")
+    model.snapshot = handle._snapshot
+    model(torch.randn(2, 512))
+    assert handle._snapshot is not None and handle._snapshot.confirmed.is_set()
+    result = handle._future.result(timeout=60)  # commits with no call on the handle or step
+    assert (result.staging_bytes == 0) == through
+    fresh = _SlowForward()
+    bcp.load(str(tmp_path / "f"), {"model": fresh})
+    assert same_bits(fresh.w, ref)
 
 
 def test_without_any_call_the_save_checks_alone_after_the_confirm_timeout(tmp_path, monkeypatch):

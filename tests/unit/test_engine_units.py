@@ -477,6 +477,7 @@ def test_a_save_that_fails_before_its_copy_starts_releases_training(tmp_path, mo
     from bytecheckpoint.engine import save as save_mod
 
     monkeypatch.setenv("BCP_STAGING_MAX_BYTES", str(1 << 20))  # the copy runs in rounds
+    monkeypatch.setenv("BCP_SNAPSHOT_WRITE_THROUGH", "0")  # through the arena, not from the tensors
     model = torch.nn.Linear(1024, 1024)  # 4 MiB: more than the bound
 
     def no_thread(*_args, **_kwargs):
