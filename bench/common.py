@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +34,21 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+@contextmanager
+def env_set(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block, then restore what was there."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:

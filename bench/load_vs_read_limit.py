@@ -53,7 +53,16 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import DROP_CACHES, MODELS, free_port, gather, max_over_ranks, status_kb, sum_over_ranks  # noqa: E402
+from bench.common import (  # noqa: E402
+    DROP_CACHES,
+    MODELS,
+    env_set,
+    free_port,
+    gather,
+    max_over_ranks,
+    status_kb,
+    sum_over_ranks,
+)
 from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
 
 READ_CALL = 4 << 20  # bytes per preadv call, as the engine's local backend reads
@@ -286,16 +295,8 @@ def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
 
 def cold_load_as(variant: dict[str, str], state: dict[str, Any], path: str,
                  files: list[tuple[str, int]]) -> dict[str, float]:
-    saved = {k: os.environ.get(k) for k in variant}
-    os.environ.update(variant)
-    try:
+    with env_set(variant):
         return cold_load(state, path, files)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def worker(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int, save: bool,

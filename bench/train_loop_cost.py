@@ -70,7 +70,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import DROP_CACHES, MODELS, drop_caches, free_port, gather, status_kb  # noqa: E402
+from bench.common import DROP_CACHES, MODELS, drop_caches, env_set, free_port, gather, status_kb  # noqa: E402
 from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
 
 WORLD = 4
@@ -242,17 +242,9 @@ class Bcp:
     def save(self, path: str, step: int) -> Pending:
         import bytecheckpoint as bcp
 
-        saved_env = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
+        with env_set(self.env):
             t = time.perf_counter()
             out = bcp.save(path, self.state, framework="fsdp2", step=step, **self.kwargs)
-        finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         if hasattr(out, "wait"):
             return BcpPending(out, t)
         return Pending(out, t, finished_at=time.perf_counter())
