@@ -26,6 +26,7 @@ from .errors import (
     StorageError,
     StorageIOError,
     UnsafeCheckpointError,
+    UnsupportedStateError,
 )
 
 # The torch-importing API loads on first use (PEP 562), so `import bytecheckpoint.cli` for
@@ -77,5 +78,5 @@ __all__ = [
     "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",
     "UnsafeCheckpointError", "CheckpointReplacedError", "ConcurrentSaveError", "InvalidArgumentError",
-    "StorageError", "StorageIOError", "StagingError", "SnapshotChangedError",
+    "StorageError", "StorageIOError", "StagingError", "SnapshotChangedError", "UnsupportedStateError",
 ]

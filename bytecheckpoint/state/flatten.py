@@ -360,6 +360,63 @@ def _flatten_tensor_dict(key: str, value: MutableMapping[str, Any], flat: FlatSt
     flat.appliers.append(_put_back(value, plain))
 
 
+def is_optimizer_dict(value: Any) -> bool:
+    """An optimizer state dict keyed by parameter FQN, as DCP's ``get_state_dict`` returns it:
+    ``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``."""
+    return (isinstance(value, MutableMapping) and isinstance(value.get("state"), MutableMapping)
+            and isinstance(value.get("param_groups"), list)
+            and all(isinstance(g, MutableMapping) and isinstance(g.get("params"), list)
+                    and all(isinstance(p, str) for p in g["params"]) for g in value["param_groups"])
+            and all(isinstance(k, str) and isinstance(v, MutableMapping) for k, v in value["state"].items()))
+
+
+def _is_indexed_optimizer_dict(value: Any) -> bool:
+    """``optimizer.state_dict()``: state and groups' params keyed by parameter index."""
+    return (isinstance(value, Mapping) and isinstance(value.get("state"), Mapping)
+            and isinstance(value.get("param_groups"), list)
+            and any(isinstance(g, Mapping) and any(isinstance(p, int) for p in g.get("params", ()))
+                    for g in value["param_groups"]))
+
+
+def _flatten_optimizer_dict(key: str, value: MutableMapping[str, Any], flat: FlatState) -> None:
+    """Loads only: an FQN-keyed optimizer state dict (``is_optimizer_dict``) where the
+    checkpoint holds an optimizer under ``key``, saved from an optimizer object or by DCP.
+    Its state tensors are load targets under the names an optimizer's are saved with
+    (``<key>/state/<fqn>/<name>``), filled in place and resharded; its other state values and
+    each group's hyperparameters (``<key>/param_groups/<fqn>``) get the saved values."""
+    flat.kinds[key] = KIND_OPTIM
+    plain: dict[str, tuple[str, ...]] = {}
+    for fqn, entries in value["state"].items():
+        for name, leaf in entries.items():
+            entry = f"{key}/state/{fqn}/{name}"
+            if isinstance(leaf, torch.Tensor):
+                flat.tensors[entry] = leaf
+            else:
+                flat.shared_objects[entry] = leaf
+                plain[entry] = ("state", fqn, str(name))
+    groups = value["param_groups"]
+    for g in groups:
+        for fqn in g["params"]:
+            flat.shared_objects[f"{key}/param_groups/{fqn}"] = {k: v for k, v in g.items() if k != "params"}
+    put_back = _put_back(value, plain)
+
+    def apply(shared: dict[str, Any], rank: dict[str, Any]) -> None:
+        put_back(shared, rank)
+        for g in groups:
+            saved = [(f, shared[f"{key}/param_groups/{f}"]) for f in g["params"]
+                     if f"{key}/param_groups/{f}" in shared]
+            for fqn, other in saved[1:]:
+                if not _same_encoding(saved[0][1], other):
+                    raise StateMismatchError(
+                        f"{key}: {saved[0][0]} and {fqn} share a parameter group here but had "
+                        "different hyperparameters in the checkpoint; group them as they were "
+                        "saved, or load the model alone and rebuild the optimizer")
+            if saved:
+                g.update({k: v for k, v in saved[0][1].items() if k != "params"})
+
+    flat.appliers.append(apply)
+
+
 def is_reshardable(value: Any) -> bool:
     """Objects that split their own state into entries and can rebuild it from the saved
     entries under another layout (``bytecheckpoint.data.TokenLoader``, ``RNGState``)."""
@@ -489,6 +546,14 @@ def flatten_state(
             _flatten_sharded_dict(key, value, flat)
         elif is_reshardable(value):
             _flatten_reshardable(key, value, flat, for_load, has_saved_state)
+        elif for_load and is_optimizer_dict(value) and has_saved_state(f"{key}/param_groups/"):
+            _flatten_optimizer_dict(key, value, flat)
+        elif for_load and _is_indexed_optimizer_dict(value) and has_saved_state(f"{key}/param_groups/"):
+            raise UnsupportedStateError(
+                f"state[{key!r}] is an optimizer state dict keyed by parameter index "
+                "(optimizer.state_dict()); the checkpoint keys optimizer state by parameter name. "
+                f"Pass the optimizer itself ({{{key!r}: optim}}, with its model in the state), or "
+                "the FQN-keyed dict of torch.distributed.checkpoint.state_dict.get_state_dict")
         elif for_load and isinstance(value, MutableMapping) and saved_as_tensors(key):
             _flatten_tensor_dict(key, value, flat)
         elif for_load and _is_stateful(value) and saved_as_tensors(key):

@@ -65,3 +65,48 @@ def test_module_and_dcp_checkpoints_load_into_plain_state_dicts(world, tmp_path)
             assert r[f"{source}->plain aliases"]
             assert r[f"{source}->plain bytes"] > 0
         assert r["missing"] is not None and "in the checkpoint but not in the state" in r["missing"]
+
+
+def _differs_full(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    out = [k for k, v in a.items() if isinstance(v, torch.Tensor) and not same_bits(v, b.get(k, v * 0 + 1))]
+    return sorted(out) + ([] if a["param_groups"] == b["param_groups"] else ["param_groups"])
+
+
+def load_into_get_state_dict(root: str) -> dict[str, Any]:
+    """DCP's idiom for a model and its optimizer: ``get_state_dict``, load into its dicts,
+    ``set_state_dict``. Hyperparameters are changed before the load, so loading them is seen."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    model, optim = make_fsdp2(seed=0)
+    train_step(model, optim, 0, rank)
+    train_step(model, optim, 1, rank)
+    bcp.save(f"{root}/bcp", {"model": model, "optimizer": optim})
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=f"{root}/dcp")
+    ref = full_state(model, optim)
+    for source in ("bcp", "dcp"):
+        for layout in ("fsdp2", "plain"):  # the same ranks' shards, or every rank the whole state
+            fresh, fresh_optim = (make_fsdp2 if layout == "fsdp2" else make_plain)(seed=5, lr=0.5)
+            msd, osd = get_state_dict(fresh, fresh_optim)  # creates the optimizer state
+            bcp.load(f"{root}/{source}", {"model": msd, "optimizer": osd})
+            set_state_dict(fresh, fresh_optim, model_state_dict=msd, optim_state_dict=osd)
+            out[f"{source}->{layout}"] = _differs_full(ref, full_state(fresh, fresh_optim))
+    fresh, fresh_optim = make_fsdp2(seed=5)
+    msd, osd = get_state_dict(fresh, fresh_optim)
+    osd["state"].pop(next(iter(osd["state"])))  # one parameter's state left out: named
+    try:
+        bcp.load(f"{root}/bcp", {"model": msd, "optimizer": osd})
+        out["missing"] = None
+    except bcp.MissingKeysError as exc:
+        out["missing"] = str(exc)
+    return out
+
+
+def test_optimizer_state_dicts_of_get_state_dict_load_from_bcp_and_dcp(world, tmp_path):
+    for r in world(2).run(load_into_get_state_dict, str(tmp_path)):
+        for source in ("bcp", "dcp"):
+            for layout in ("fsdp2", "plain"):
+                assert r[f"{source}->{layout}"] == [], (source, layout)
+        assert r["missing"] is not None and "optimizer/state/" in r["missing"]

@@ -99,3 +99,15 @@ def test_a_large_plain_value_is_saved_with_a_warning_naming_the_better_way(tmp_p
     out: dict = {"weights": {}}
     bcp.load(str(tmp_path / "b"), out)
     assert same_bits(out["weights"]["v"], big["v"])
+
+
+def test_an_index_keyed_optimizer_state_dict_as_a_load_target_is_refused_by_name(tmp_path):
+    """optimizer.state_dict() keys state by parameter index, which the checkpoint does not
+    know: the load names the two forms that work instead of failing on missing keys."""
+    model = torch.nn.Linear(8, 8)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim})
+    with pytest.raises(bcp.UnsupportedStateError, match="get_state_dict"):
+        bcp.load(str(tmp_path / "c"), {"model": model, "optimizer": optim.state_dict()})
