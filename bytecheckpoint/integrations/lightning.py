@@ -131,13 +131,13 @@ class BytecheckpointIO(CheckpointIO):
         if not storage.exists(where):
             return  # nothing there (Lightning's own CheckpointIO does the same)
         parent, name = posixpath.split(where)
-        found = [c for c in RootListing(storage, parent or ".").list(details=False) if c.name == name]
-        if not found:
+        found = RootListing(storage, parent or ".").find(name, details=False)
+        if found is None:
             raise NotACheckpointError(
                 f"refusing to remove {path}: it is not a committed bytecheckpoint checkpoint (no "
                 f"{_METADATA_FILE}); remove it by hand if it is yours")
         try:
-            delete_on_storage(storage, found[0])
+            delete_on_storage(storage, found)
         except DeletionRefusedError as exc:
             warnings.warn(f"Lightning asked to remove {path}; kept: {exc}", RuntimeWarning, stacklevel=2)
 

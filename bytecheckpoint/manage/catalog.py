@@ -152,6 +152,28 @@ class Catalog:
                             if e not in names and self._descend(posixpath.join(run_dir, e), e)]
         return out
 
+    def one(self, run_dir: str, name: str, *, details: bool = True) -> CheckpointInfo | None:
+        """The entry of checkpoint ``name`` in ``run_dir`` alone: one listing and its own
+        metadata, not every checkpoint's (None when it is none). ``abandoned`` is not computed
+        (that needs the whole run)."""
+        try:
+            entries = self.storage.list_dir(run_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if name not in entries or name.startswith(".") or name == LATEST_FILE:
+            return None
+        path = posixpath.join(run_dir, name)
+        local = self._local(path)
+        if local is not None and (os.path.islink(local) or not os.path.isdir(local)):
+            return None
+        staging = {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
+        read = self._read(path)
+        if read is None and not self._is_checkpoint_dir(path, staging)[0]:
+            return None
+        latest, latest_problem = latest_of(self.storage, run_dir, entries)
+        run = posixpath.relpath(run_dir, self.root) if run_dir != self.root else "."
+        return self._info(run, run_dir, name, read, latest, latest_problem, staging, details).info
+
     def _descend(self, path: str, name: str) -> bool:
         if name.startswith(".") or name == LATEST_FILE:
             return False
@@ -275,6 +297,11 @@ class RootListing:
         found = [c for c in self.catalog.scan(nested=False, details=details) if c.committed]
         found.sort(key=lambda c: (c.step if c.step is not None else -1, c.time))
         return found
+
+    def find(self, name: str, *, details: bool = True) -> CheckpointInfo | None:
+        """The committed checkpoint ``name`` of this root, reading its metadata alone."""
+        found = self.catalog.one(self.catalog.root, name, details=details)
+        return found if found is not None and found.committed else None
 
 
 def read_meta(path: str) -> CheckpointMetadata:

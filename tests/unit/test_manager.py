@@ -252,3 +252,35 @@ def test_step_time_is_recorded_as_train_step_spans_when_asked(tmp_path):
             durations += [e["duration_s"] for e in map(json.loads, f)
                           if e.get("name") == "train.step" and e.get("run") == run]
     assert len(durations) == 3 and all(0.025 < d < 1.0 for d in durations), durations
+
+
+def test_one_checkpoint_is_found_by_reading_its_metadata_alone(tmp_path):
+    """Lightning's save_top_k removes one checkpoint at a time: finding it must not read the
+    metadata of every checkpoint beside it."""
+    import torch
+
+    import bytecheckpoint as bcp
+    from bytecheckpoint.manage.catalog import RootListing
+    from bytecheckpoint.storage.local import LocalStorage
+
+    model = torch.nn.Linear(4, 4)
+    for step in range(5):
+        bcp.save(str(tmp_path / f"step_{step}"), {"model": model}, step=step)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "file").write_text("x")
+    metadata_reads: list[str] = []
+
+    class Counting(LocalStorage):
+        def read(self, path, offset=0, length=None):
+            metadata_reads.append(path)
+            return super().read(path, offset, length)
+
+    listing = RootListing(Counting(), str(tmp_path))
+    found = listing.find("step_3")
+    assert found is not None and found.step == 3 and found.committed
+    metadata_reads = [p for p in metadata_reads if not p.endswith("/latest")]  # the run's pointer
+    assert len(metadata_reads) == 1 and "step_3" in metadata_reads[0]
+    full = {c.name: c for c in RootListing(LocalStorage(), str(tmp_path)).list()}
+    assert found == full["step_3"]
+    for name in ("notes", "file", "missing", "..", "."):
+        assert listing.find(name) is None, name
