@@ -49,6 +49,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import InvalidArgumentError, SnapshotChangedError
+from .write_through import enabled as write_through_enabled
 
 CONFIRM_SETTING = "BCP_SNAPSHOT_CONFIRM_S"
 
@@ -70,7 +71,8 @@ def snapshot_mode(value: Any, async_save: bool) -> SnapshotMode:
         raise InvalidArgumentError("snapshot='overlapped' applies to async saves only: pass "
                                    "async_save=True as well, or leave snapshot out; nothing was saved")
     if mode is SnapshotMode.OVERLAPPED:
-        confirm_timeout()  # a bad setting fails here, not in the background
+        confirm_timeout()  # bad settings fail here, not in the background
+        write_through_enabled()
     return mode
 
 

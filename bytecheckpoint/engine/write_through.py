@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import StagingError
+from ..errors import InvalidArgumentError, StagingError
 from ..storage import Storage
 from .files import write_block
 from .staging import Stager
@@ -34,8 +34,14 @@ SETTING = "BCP_SNAPSHOT_WRITE_THROUGH"
 
 
 def enabled() -> bool:
-    """``BCP_SNAPSHOT_WRITE_THROUGH``: anything but ``0`` lets overlapped saves write through."""
-    return os.environ.get(SETTING, "1").strip() != "0"
+    """``BCP_SNAPSHOT_WRITE_THROUGH``: ``1`` (the default) lets overlapped saves write through,
+    ``0`` keeps the arena; anything else is refused by name (a typo must not pick for you)."""
+    raw = os.environ.get(SETTING, "").strip()
+    if raw not in ("", "0", "1"):
+        raise InvalidArgumentError(f"{SETTING}={raw!r} must be 1 (write overlapped saves of host "
+                                   "tensors straight from them) or 0 (copy into the staging arena "
+                                   "first); nothing was saved")
+    return raw != "0"
 
 
 def applies(views: list[torch.Tensor], storage: Storage, forward_waits: bool,

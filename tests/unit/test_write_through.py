@@ -95,6 +95,15 @@ def test_the_setting_and_the_blocking_mode_keep_the_arena(tmp_path, no_arena, mo
                     ).wait(timeout=60).staging_bytes > 0
 
 
+@pytest.mark.parametrize("value", ["no", "true", "2", "off"])
+def test_a_bad_setting_fails_save_by_name_before_anything_runs(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("BCP_SNAPSHOT_WRITE_THROUGH", value)
+    with pytest.raises(bcp.InvalidArgumentError, match="BCP_SNAPSHOT_WRITE_THROUGH"):
+        bcp.save(str(tmp_path / "x"), {"model": torch.nn.Linear(4, 4)}, async_save=True,
+                 snapshot="overlapped")
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_module_with_buffers_keeps_the_arena(tmp_path, no_arena):
     """Its forward waits for the snapshot: the short wait of a copy, not the whole write."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
