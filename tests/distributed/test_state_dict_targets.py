@@ -49,12 +49,17 @@ def load_into_state_dicts(root: str) -> dict[str, Any]:
     plain, _ = make_plain(seed=5)
     sd = plain.state_dict()
     sd.pop(next(iter(sd)))
-    try:
-        bcp.load(f"{root}/bcp", {"model": sd})
-        out["missing"] = None
-    except bcp.MissingKeysError as exc:
-        out["missing"] = str(exc)
+    out["missing"] = _missing_keys_error(f"{root}/bcp", {"model": sd})
     return out
+
+
+def _missing_keys_error(path: str, state: dict[str, Any]) -> str | None:
+    """The load's MissingKeysError message, None if it loaded."""
+    try:
+        bcp.load(path, state)
+    except bcp.MissingKeysError as exc:
+        return str(exc)
+    return None
 
 
 def test_module_and_dcp_checkpoints_load_into_plain_state_dicts(world, tmp_path):
@@ -96,11 +101,7 @@ def load_into_get_state_dict(root: str) -> dict[str, Any]:
     fresh, fresh_optim = make_fsdp2(seed=5)
     msd, osd = get_state_dict(fresh, fresh_optim)
     osd["state"].pop(next(iter(osd["state"])))  # one parameter's state left out: named
-    try:
-        bcp.load(f"{root}/bcp", {"model": msd, "optimizer": osd})
-        out["missing"] = None
-    except bcp.MissingKeysError as exc:
-        out["missing"] = str(exc)
+    out["missing"] = _missing_keys_error(f"{root}/bcp", {"model": msd, "optimizer": osd})
     return out
 
 
