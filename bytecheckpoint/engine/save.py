@@ -124,7 +124,7 @@ class _Job:
     rows: list[Any] | None = None  # the local plan's items as tuples, until _local_plan makes them
     lock: save_lock.SaveLock | None = None  # coordinator: held from begin_save to the commit's end
     snapshot: Snapshot | None = None  # an overlapped save's copy, settled before the commit
-    forward_waits: bool = False  # a saved module waits for an overlapped snapshot in forward
+    modules: list[torch.nn.Module] = field(default_factory=list)  # the state's top-level modules
 
     def release(self) -> None:
         if self.lock is not None:
@@ -191,7 +191,7 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
     _warn_big_objects(blobs)
     own_bytes = sum(len(b) for k, b in blobs.items() if k.startswith("rank:"))
     job.flat, job.framework, job.blobs = flat, planner.name, blobs
-    job.forward_waits = any(snapshot.waits_in_forward(m) for m in snapshot.saved_modules(state))
+    job.modules = snapshot.saved_modules(state)
     job.layout = planner.layout(flat, comm)
     # The items themselves are made only if the plan cache misses (_local_plan).
     job.local = LocalSavePlan(comm.rank, [], own_bytes, shared)
@@ -449,9 +449,11 @@ def _stager(job: _Job, assignment: Assignment, views: list[torch.Tensor]) -> Sta
     owners = [flat.get(item.key) for item in assignment.items]  # a tensor, or a TensorShard
     owners = [o if isinstance(o, torch.Tensor) else v for o, v in zip(owners, views)]
     names = [item.key for item in assignment.items]
-    if (job.opts.async_save and job.opts.snapshot == SnapshotMode.OVERLAPPED
-            and write_through.applies(views, job.storage, job.forward_waits, job.host is not None)):
-        return WriteThroughStager(views, names, owners, job.opts.chunk_bytes)
+    if job.opts.async_save and job.opts.snapshot == SnapshotMode.OVERLAPPED:
+        # Only here: finding a buffer walks every submodule of a model that has none.
+        forward_waits = any(snapshot.waits_in_forward(m) for m in job.modules)
+        if write_through.applies(views, job.storage, forward_waits, job.host is not None):
+            return WriteThroughStager(views, names, owners, job.opts.chunk_bytes)
     cap = staging_ring.staging_cap(job.opts.staging_max_bytes)
     need = sum(-(-v.numel() * v.element_size() // 64) * 64 for v in views)
     if cap is None or need <= cap:

@@ -24,12 +24,12 @@ Catching it needs more than a check around each copy: an in-place op bumps its t
 counter only after it has written the data, so a write still running when the copy ends is
 invisible there. The save therefore does not commit until the snapshot is *confirmed*: the
 first time a thread of training reaches bytecheckpoint after the copy is released (an
-optimizer step, the start or end of a forward of a saved module, any call on the handle, the next ``save`` or
-``load``, interpreter exit), every write that thread issued before has finished, and the
-counters are compared with those of ``save()`` there. Only then may the tensors change. If no
-thread comes within ``BCP_SNAPSHOT_CONFIRM_S`` seconds of the write's end, the save's own
-thread compares them; only a write that started before the copy ended and is still running
-then could go unseen.
+optimizer step, the start or end of a forward of a saved module, any call on the handle, the
+next ``save`` or ``load``, interpreter exit), every write that thread issued before has
+finished, and the counters are compared with those of ``save()`` there. Only then may the
+tensors change. If no thread comes within ``BCP_SNAPSHOT_CONFIRM_S`` seconds of the write's
+end, the save's own thread compares them; only a write that started before the copy ended
+and is still running then could go unseen.
 
 On CUDA the copy runs on a side stream into pinned memory; the hooks make the caller's stream
 wait for it (no host synchronisation) once the copies are queued. Host tensors saved to a

@@ -160,15 +160,9 @@ class Catalog:
             entries = self.storage.list_dir(run_dir)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if name not in entries or name.startswith(".") or name == LATEST_FILE:
-            return None
-        path = posixpath.join(run_dir, name)
-        local = self._local(path)
-        if local is not None and (os.path.islink(local) or not os.path.isdir(local)):
-            return None
-        staging = {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
-        read = self._read(path)
-        if read is None and not self._is_checkpoint_dir(path, staging)[0]:
+        staging = _staging_names(entries)
+        is_checkpoint, read = self._candidate(run_dir, name, staging) if name in entries else (False, None)
+        if not is_checkpoint:
             return None
         latest, latest_problem = latest_of(self.storage, run_dir, entries)
         run = posixpath.relpath(run_dir, self.root) if run_dir != self.root else "."
@@ -182,21 +176,26 @@ class Catalog:
             return os.path.isdir(local) and not os.path.islink(local)
         return True  # listing a file on an object store yields nothing
 
+    def _candidate(self, run_dir: str, name: str, staging: set[str]) -> tuple[bool, _Read | None]:
+        """Whether entry ``name`` of ``run_dir`` is a checkpoint (committed or not), and its
+        metadata read."""
+        if name.startswith(".") or name == LATEST_FILE:
+            return False, None
+        path = posixpath.join(run_dir, name)
+        local = self._local(path)
+        if local is not None and (os.path.islink(local) or not os.path.isdir(local)):
+            return False, None  # a symlinked directory is not this tier's; a file is no checkpoint
+        read = self._read(path)
+        return read is not None or self._is_checkpoint_dir(path, staging)[0], read
+
     def _scan_run(self, run_dir: str, entries: list[str], details: bool) -> list[CheckpointInfo]:
-        staging = {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
+        staging = _staging_names(entries)
         latest, latest_problem = latest_of(self.storage, run_dir, entries)
         found: list[tuple[str, _Read | None]] = []
         for name in entries:
-            if name.startswith(".") or name == LATEST_FILE:
-                continue
-            path = posixpath.join(run_dir, name)
-            local = self._local(path)
-            if local is not None and (os.path.islink(local) or not os.path.isdir(local)):
-                continue  # a symlinked directory is not this tier's; a file is no checkpoint
-            read = self._read(path)
-            if read is None and not self._is_checkpoint_dir(path, staging)[0]:
-                continue
-            found.append((name, read))
+            is_checkpoint, read = self._candidate(run_dir, name, staging)
+            if is_checkpoint:
+                found.append((name, read))
         run = posixpath.relpath(run_dir, self.root) if run_dir != self.root else "."
         infos = [self._info(run, run_dir, name, read, latest, latest_problem, staging, details)
                  for name, read in found]
@@ -252,6 +251,11 @@ def _replace_abandoned(c: CheckpointInfo, abandoned: bool) -> CheckpointInfo:
     return replace(c, abandoned=abandoned) if abandoned else c
 
 
+def _staging_names(entries: list[str]) -> set[str]:
+    """The checkpoints of a run directory a save is writing (their staging directories)."""
+    return {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
+
+
 def _mtime_of_entries(local: str | None) -> float:
     if local is None:
         return 0.0
@@ -277,7 +281,7 @@ def describe(path: str, hot_root: str, cold_root: str | None) -> CheckpointInfo 
     hot_root = os.path.abspath(hot_root)
     catalog = Catalog(_LOCAL, hot_root, cold_root)
     entries = os.listdir(run_dir)
-    staging = {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
+    staging = _staging_names(entries)
     read = catalog._read(path)
     if read is None and not catalog._is_checkpoint_dir(path, staging)[0]:
         return None

@@ -236,19 +236,8 @@ def _flatten_optimizer(
         index = {id(p): i for i, p in enumerate(params)}
         for live in optimizer.param_groups:
             fqns = [fqn for p in live["params"] for fqn, _ in views[id(p)]]
-            saved = [(f, shared[f"{key}/param_groups/{f}"]) for f in fqns
-                     if f"{key}/param_groups/{f}" in shared]
-            hparams = {k: v for k, v in live.items() if k != "params"}
-            if saved:
-                first_fqn, first = saved[0]
-                for fqn, other in saved[1:]:
-                    if not _same_encoding(first, other):
-                        raise StateMismatchError(
-                            f"{key}: {first_fqn} and {fqn} share a parameter group here but had "
-                            "different hyperparameters in the checkpoint; group them as they "
-                            "were saved, or load the model alone and rebuild the optimizer"
-                        )
-                hparams = dict(first)
+            saved = _saved_group(key, fqns, shared)
+            hparams = dict(saved) if saved is not None else {k: v for k, v in live.items() if k != "params"}
             new_groups.append({**hparams, "params": [index[id(p)] for p in live["params"]]})
         # Index the loaded state by parameter once: scanning every key per parameter is
         # quadratic, seconds at a few thousand parameters.
@@ -268,6 +257,22 @@ def _flatten_optimizer(
         optimizer.load_state_dict({"state": state, "param_groups": new_groups})
 
     flat.appliers.append(apply)
+
+
+def _saved_group(key: str, fqns: list[str], shared: dict[str, Any]) -> dict[str, Any] | None:
+    """The saved hyperparameters of a live group of the parameters ``fqns`` (None when none of
+    them has any). Parameters grouped together here must have had equal ones."""
+    saved = [(f, shared[f"{key}/param_groups/{f}"]) for f in fqns if f"{key}/param_groups/{f}" in shared]
+    if not saved:
+        return None
+    first_fqn, first = saved[0]
+    for fqn, other in saved[1:]:
+        if not _same_encoding(first, other):
+            raise StateMismatchError(
+                f"{key}: {first_fqn} and {fqn} share a parameter group here but had different "
+                "hyperparameters in the checkpoint; group them as they were saved, or load the "
+                "model alone and rebuild the optimizer")
+    return first
 
 
 def _leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -396,23 +401,17 @@ def _flatten_optimizer_dict(key: str, value: MutableMapping[str, Any], flat: Fla
                 plain[entry] = ("state", fqn, str(name))
     groups = value["param_groups"]
     for g in groups:
+        hparams = {k: v for k, v in g.items() if k != "params"}
         for fqn in g["params"]:
-            flat.shared_objects[f"{key}/param_groups/{fqn}"] = {k: v for k, v in g.items() if k != "params"}
+            flat.shared_objects[f"{key}/param_groups/{fqn}"] = hparams
     put_back = _put_back(value, plain)
 
     def apply(shared: dict[str, Any], rank: dict[str, Any]) -> None:
         put_back(shared, rank)
         for g in groups:
-            saved = [(f, shared[f"{key}/param_groups/{f}"]) for f in g["params"]
-                     if f"{key}/param_groups/{f}" in shared]
-            for fqn, other in saved[1:]:
-                if not _same_encoding(saved[0][1], other):
-                    raise StateMismatchError(
-                        f"{key}: {saved[0][0]} and {fqn} share a parameter group here but had "
-                        "different hyperparameters in the checkpoint; group them as they were "
-                        "saved, or load the model alone and rebuild the optimizer")
-            if saved:
-                g.update({k: v for k, v in saved[0][1].items() if k != "params"})
+            saved = _saved_group(key, g["params"], shared)
+            if saved is not None:
+                g.update({k: v for k, v in saved.items() if k != "params"})
 
     flat.appliers.append(apply)
 
