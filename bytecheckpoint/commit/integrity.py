@@ -15,7 +15,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError
 from ..format.checksums import bad_chunks
-from ..format.file_headers import Entry, expected_entries, header_problem
+from ..format.file_headers import PADDING_SINCE, Entry, expected_entries, header_problem
 from ..format.metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
 from ..format.metadata_file import metadata_max_bytes, read_metadata_bytes
 from ..storage import Storage, open_storage
@@ -152,7 +152,8 @@ def file_problem(storage: Storage, path: str, meta: CheckpointMetadata, name: st
     if header is None:
         return None
     try:
-        return header_problem(storage, path, name, size, header, metadata_max_bytes())
+        return header_problem(storage, path, name, size, header, metadata_max_bytes(),
+                              padding=meta.format_version >= PADDING_SINCE)
     except (OSError, EOFError) as exc:
         return f"{storage.url(full)}: cannot read its safetensors header: {exc}"
 
@@ -191,6 +192,7 @@ def verify_files(url: str, *, threads: int = 4,
     pieces = [sb.bytes for t in meta.tensors for sb in meta.boxes_of(t.key)]
     pieces += [o.bytes for o in meta.objects]
     bad_file = {p.file for p in problems}
+    problems += _padding_problems(storage, path, pieces, bad_file)
     block = max(1, _VERIFY_BLOCK // meta.chunk_bytes) * meta.chunk_bytes
 
     def check(piece: ByteMeta) -> Problem | None:
@@ -216,6 +218,30 @@ def verify_files(url: str, *, threads: int = 4,
     with ThreadPoolExecutor(threads) as pool:
         problems += [p for p in pool.map(check, pieces) if p]
     return storage.url(path), problems
+
+
+def _padding_problems(storage: Storage, path: str, pieces: list[ByteMeta], skip: set[str]) -> list[Problem]:
+    """The bytes between two pieces of a file (the padding that aligns them, format 3) are
+    zeros: no checksum covers them, and a tool that reads the padding entries reads them."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for piece in pieces:
+        if piece.file not in skip and piece.byte_length:
+            end = piece.byte_offset + piece.byte_length
+            by_file.setdefault(piece.file, []).append((piece.byte_offset, end))
+    out = []
+    for name, spans in sorted(by_file.items()):
+        full = posixpath.join(path, name)
+        spans.sort()
+        gaps = [(end, start) for (_, end), (start, _) in zip(spans, spans[1:]) if start > end]
+        try:
+            bad = next(((a, b) for a, b in gaps if any(bytes(storage.read(full, a, b - a)))), None)
+        except (OSError, EOFError) as exc:
+            out.append(Problem(name, f"{storage.url(full)}: cannot read its padding: {exc}"))
+            continue
+        if bad is not None:
+            out.append(Problem(name, f"{storage.url(full)}: bytes {bad[0]}..{bad[1]} between two pieces "
+                                     "(padding) are not zeros: the file was altered"))
+    return out
 
 
 def verify(url: str, *, threads: int = 4) -> list[str]:

@@ -3,6 +3,14 @@
 Being safetensors means common tools can open a rank's file; the bytecheckpoint metadata
 stores absolute byte offsets, so loads never need to parse these headers. Entries are named
 ``<key>@<offsets>`` so a box can be recognised in any viewer.
+
+Every piece of at least ``DATA_ALIGN`` bytes starts at a multiple of ``DATA_ALIGN`` from the
+file's start (format version 3): the header is padded with spaces, and where a piece of odd
+size leaves the next one off the boundary, a padding entry (``__padding__/<n>``, ``U8``, zeros,
+fewer than ``DATA_ALIGN`` bytes) fills the gap, since safetensors allows no holes. A read copies
+from the page cache into tensors that are 64-byte aligned, and that copy runs at about 11 GB/s
+when source and destination share their offset within a cache line and at 3-8 GB/s when they
+do not: unaligned pieces made a cold load spend four times the CPU on it (perf, 3.56 GB).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..format.checksums import chunk_checksums
+from ..format.file_headers import DATA_ALIGN, PADDING_PREFIX
 from ..storage import Storage
 from ..storage.base import abort_quietly
 
@@ -43,14 +52,34 @@ class WrittenPiece:
     checksums: tuple[int, ...]
 
 
+def data_layout(sizes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Where each piece of ``sizes`` starts in the data section, and the padding entries
+    (start, length) before the pieces of at least ``DATA_ALIGN`` bytes that would start off
+    the boundary. The data section itself starts on one (``header_bytes``)."""
+    starts: list[int] = []
+    pads: list[tuple[int, int]] = []
+    end = 0
+    for n in sizes:
+        gap = -end % DATA_ALIGN
+        if gap and n >= DATA_ALIGN:  # a smaller piece gains nothing from the boundary
+            pads.append((end, gap))
+            end += gap
+        starts.append(end)
+        end += n
+    return starts, pads
+
+
 def header_bytes(pieces: list[Piece], metadata: dict[str, str]) -> bytes:
     header: dict[str, object] = {"__metadata__": metadata}
-    start = 0
-    for p in pieces:
-        header[p.name] = {"dtype": p.code, "shape": list(p.shape), "data_offsets": [start, start + p.nbytes]}
-        start += p.nbytes
+    starts, pads = data_layout([p.nbytes for p in pieces])
+    entries = [(s, p.name, p.code, list(p.shape), p.nbytes) for s, p in zip(starts, pieces)]
+    entries += [(s, f"{PADDING_PREFIX}{i}", "U8", [n], n) for i, (s, n) in enumerate(pads)]
+    for start, name, code, shape, n in sorted(entries, key=lambda e: e[0]):
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [start, start + n]}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw)) % 8)  # safetensors pads the header to 8 bytes
+    # safetensors pads the header with spaces to 8 bytes; to DATA_ALIGN here, so that the
+    # data section starts on the boundary
+    raw += b" " * (-(len(raw) + 8) % DATA_ALIGN)
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -59,12 +88,16 @@ def write_file(
 ) -> tuple[int, list[WrittenPiece]]:
     """Write ``pieces`` to ``path``; return the file size and where each piece landed."""
     head = header_bytes(pieces, metadata)
+    starts, _ = data_layout([p.nbytes for p in pieces])
     writer = storage.open_writer(path)
     written: list[WrittenPiece] = []
     try:
         writer.write(head)
         offset = len(head)
-        for p in pieces:
+        for p, start in zip(pieces, starts):
+            if len(head) + start > offset:  # the padding entry before this piece
+                writer.write(bytes(len(head) + start - offset))
+                offset = len(head) + start
             sums: list[int] = []
             done = 0
             for part in _blocks(p, chunk_bytes):

@@ -35,6 +35,7 @@ from telemetry import span
 from ..errors import CorruptCheckpointError, RankFailedError
 from ..format.boxes import Box, element_span, row_major_strides
 from ..format.checksums import bad_chunks
+from ..format.file_headers import DATA_ALIGN
 from ..planners import LocalShard
 from ..runtime.devices import on_device
 from ..storage import Storage
@@ -105,15 +106,44 @@ def copy_out(read: BoxRead, non_blocking: bool = False) -> None:
             dst.copy_(src)
 
 
+def follows(start: int, end: int) -> bool:
+    """Whether bytes at ``start`` continue a read that ended at ``end``: back to back, or
+    behind a padding entry (fewer than ``DATA_ALIGN`` bytes, read and dropped)."""
+    return 0 <= start - end < DATA_ALIGN
+
+
+def read_spans(storage: Storage, full: str, spans: list[tuple[int, memoryview]]) -> list[int]:
+    """Fill views that lie in order in one file (``(file offset, view)``, each ``follows``
+    the one before) with one sequential request; returns the bytes that landed in each."""
+    scratch = memoryview(bytearray(DATA_ALIGN))  # the padding's bytes land here
+    views: list[memoryview] = []
+    end = spans[0][0]
+    for start, view in spans:
+        if start > end:
+            views.append(scratch[: start - end])
+        views.append(view)
+        end = start + len(view)
+    got = storage.read_into_many(full, spans[0][0], views)
+    out: list[int] = []
+    end = spans[0][0]
+    for start, view in spans:
+        got -= start - end
+        out.append(max(0, min(got, len(view))))
+        got -= len(view)
+        end = start + len(view)
+    return out
+
+
 def contiguous_runs(units: list[tuple[int, ReadUnit]], limit: int) -> list[list[tuple[int, ReadUnit]]]:
     """Split ``(index, unit)`` pairs (in file order) into runs of units that lie back to back
-    in one file, each at most ``limit`` bytes unless one unit alone is larger. A run is one
-    sequential read: a checkpoint of many small tensors is read in a few large requests."""
+    in one file (or behind padding: ``follows``), each at most ``limit`` bytes unless one unit
+    alone is larger. A run is one sequential read: a checkpoint of many small tensors is read
+    in a few large requests."""
     runs: list[list[tuple[int, ReadUnit]]] = []
     end, size, file = -1, 0, -1
     for j, u in units:
         start = u.box_offset + u.start
-        if runs and u.file == file and start == end and size + u.nbytes <= limit:
+        if runs and u.file == file and follows(start, end) and size + u.nbytes <= limit:
             runs[-1].append((j, u))
             size += u.nbytes
         else:
@@ -202,7 +232,7 @@ class Prefetch:
             read = reads[key]
             read.buffer = read.direct  # read straight into the target, as the pipeline would
             start = read.byte_offset + read.lo
-            if runs and key[0] == file and start == end and size + read.hi - read.lo <= run_bytes:
+            if runs and key[0] == file and follows(start, end) and size + read.hi - read.lo <= run_bytes:
                 runs[-1].append(read)
                 run_keys[-1].append(key)
                 size += read.hi - read.lo
@@ -218,14 +248,12 @@ class Prefetch:
 
     def _read(self, run: list[BoxRead]) -> None:
         full = posixpath.join(self.path, run[0].file)
-        views = [memoryview(r.direct.numpy()) for r in run if r.direct is not None]
-        with span("load.read", path=full, bytes=sum(len(v) for v in views)):
-            got = self.storage.read_into_many(full, run[0].byte_offset + run[0].lo, views)
+        spans = [(r.byte_offset + r.lo, memoryview(r.direct.numpy())) for r in run if r.direct is not None]
+        with span("load.read", path=full, bytes=sum(len(v) for _, v in spans)):
+            got = read_spans(self.storage, full, spans)
         url = self.storage.url(full)
-        for read, view in zip(run, views):
-            n = read.hi - read.lo
-            check_read(url, read, read.lo, read.hi, view, max(0, min(got, n)), self.verify, self.chunk_bytes)
-            got -= n
+        for read, (_, view), have in zip(run, spans, got):
+            check_read(url, read, read.lo, read.hi, view, have, self.verify, self.chunk_bytes)
 
     def close(self) -> None:
         """Stop what has not started and wait for what has: no thread writes into a target
@@ -370,11 +398,12 @@ class LoadPipeline:
                 targets.append((u, dst, host, memoryview(host.numpy()) if u.nbytes else memoryview(b"")))
             with span("load.read", path=full, bytes=sum(u.nbytes for u, _ in units)):
                 if len(targets) == 1:  # one large range: the backend splits it over threads
-                    got = self.storage.read_into(full, offset, targets[0][3])
+                    got = [self.storage.read_into(full, offset, targets[0][3])]
                 else:
-                    got = self.storage.read_into_many(full, offset, [t[3] for t in targets])
-            for u, dst, host, view in targets:
-                have, got = max(0, min(got, u.nbytes)), got - u.nbytes
+                    got = read_spans(self.storage, full, [(u.box_offset + u.start, view)
+                                                          for u, _, _, view in targets])
+            for (u, dst, host, view), have in zip(targets, got):
+                have = max(0, min(have, u.nbytes))
                 self._check(u, full, view, have)
                 if host is not dst:
                     with span("load.h2d", bytes=u.nbytes), torch.cuda.stream(self._h2d):

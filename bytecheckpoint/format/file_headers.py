@@ -5,7 +5,9 @@ other tools (safetensors, Hugging Face) read the files through them: a header ed
 I32 where F32 was written would hand those tools wrong numbers while every checksum of the
 data still matches. So ``bcp verify``, export and loads that verify compare each header with
 what the metadata says the file holds: the same pieces at the same byte ranges, with the same
-dtype code and shape, and nothing else.
+dtype code and shape, and nothing else. From format version 3 a header may also list padding
+entries (``U8`` zeros of fewer than ``DATA_ALIGN`` bytes, in gaps between the pieces), which
+align the pieces for the copies of a load (see ``engine.files``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import numpy as np
 from ..storage import Storage
 from .dtypes import safetensors_code
 from .metadata import CheckpointMetadata
+
+DATA_ALIGN = 64  # pieces start at multiples of this from the file's start (version 3)
+PADDING_PREFIX = "__padding__/"
+PADDING_SINCE = 3  # the format version that introduced padding entries
 
 # absolute start, end, dtype code, shape, entry name(s). The name matters to the tools that read
 # the file by it: two same-shaped entries with swapped names hand them each other's numbers. A
@@ -57,9 +63,10 @@ def expected_entries(meta: CheckpointMetadata, names: set[str]) -> dict[str, lis
 
 
 def header_problem(storage: Storage, path: str, name: str, size: int, expected: list[Entry],
-                   max_header: int) -> str | None:
+                   max_header: int, padding: bool = True) -> str | None:
     """Why the header of ``path/name`` (``size`` bytes, already checked) disagrees with
-    ``expected``, or None when it lists exactly those entries."""
+    ``expected``, or None when it lists exactly those entries (and, with ``padding``, padding
+    entries in the gaps between them)."""
     full = posixpath.join(path, name)
     url = storage.url(full)
     if size < 8:
@@ -73,6 +80,12 @@ def header_problem(storage: Storage, path: str, name: str, size: int, expected: 
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         return f"{url}: unreadable safetensors header ({exc})"
     want = sorted(expected)
+    if padding:
+        pads = [g for g in got if g[4][0].startswith(PADDING_PREFIX)]
+        got = [g for g in got if not g[4][0].startswith(PADDING_PREFIX)]
+        problem = _padding_problem(pads, want)
+        if problem is not None:
+            return f"{url}: {problem} (the header was altered)"
     if len(got) != len(want):
         return f"{url}: its safetensors header lists {len(got)} entries, the metadata {len(want)}"
     for g, w in zip(got, want):
@@ -90,6 +103,20 @@ def header_problem(storage: Storage, path: str, name: str, size: int, expected: 
         names[g[:4]].pop(match)
     return None
 
+
+
+def _padding_problem(pads: list[Entry], want: list[Entry]) -> str | None:
+    """A padding entry is U8 zeros of 1 to ``DATA_ALIGN - 1`` bytes that overlaps no piece
+    (the zeros themselves are not read: they are no piece's bytes)."""
+    for start, end, code, shape, names in pads:
+        if code != "U8" or shape != (end - start,) or not 0 < end - start < DATA_ALIGN:
+            return (f"its padding entry {names[0]!r} is {code} {list(shape)} at {start}..{end}, "
+                    f"not U8 of 1-{DATA_ALIGN - 1} bytes")
+    spans = sorted([(s, e) for s, e, *_ in want if e > s] + [(s, e) for s, e, *_ in pads])
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            return f"a padding entry overlaps a piece at byte {start}"
+    return None
 
 
 def _entries(header: Any, data_start: int) -> list[Entry]:

@@ -30,7 +30,8 @@ from .dtypes import DTYPE_NAMES, itemsize
 
 FORMAT_NAME = "bytecheckpoint"
 # 1: the msgpack document alone. 2: the document behind MAGIC and its xxh3-128 digest.
-FORMAT_VERSION = 2
+# 3: storage files may hold padding entries that align the pieces (format.file_headers).
+FORMAT_VERSION = 3
 METADATA_FILE = "metadata.msgpack"
 MAGIC = b"BCPMETA\x00"
 _ENVELOPE = len(MAGIC) + 16
@@ -127,6 +128,7 @@ class CheckpointMetadata:
     created_at: float = 0.0
     library_version: str = __version__
     loader: list[dict[str, Any]] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION  # as read; a save writes the current one
 
     def __post_init__(self) -> None:
         self._tensor_index = {t.key: i for i, t in enumerate(self.tensors)}
@@ -472,6 +474,7 @@ def _decode(doc: Any, source: str) -> CheckpointMetadata:
         created_at=float(created_at),
         library_version=_str(doc.get("library_version", ""), source, "library_version", 64),
         loader=loader,
+        format_version=_int(doc.get("version"), source, "version", 1, FORMAT_VERSION),
     )
 
 

@@ -30,14 +30,17 @@ def assert_same_state(ref: dict[str, Any], got: dict[str, Any]) -> None:
 
 
 def payload_bytes(ckpt_dir: str) -> int:
-    """Sizes of the storage files without their safetensors headers (never read on load)."""
+    """Sizes of the storage files without their safetensors headers and padding entries
+    (neither is read into a tensor on load)."""
     total = 0
     for name in os.listdir(ckpt_dir):
         if name.endswith(".safetensors"):
             with open(os.path.join(ckpt_dir, name), "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                json.loads(f.read(n))
-            total += os.path.getsize(os.path.join(ckpt_dir, name)) - 8 - n
+                header = json.loads(f.read(n))
+            padding = sum(v["data_offsets"][1] - v["data_offsets"][0]
+                          for k, v in header.items() if k.startswith("__padding__/"))
+            total += os.path.getsize(os.path.join(ckpt_dir, name)) - 8 - n - padding
     return total
 
 

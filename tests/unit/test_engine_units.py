@@ -363,12 +363,28 @@ def test_contiguous_runs_join_back_to_back_units_of_one_file_up_to_a_limit():
         return ReadUnit(file, box_offset, stop, start, stop, 0, ())
 
     units = list(enumerate([unit(0, 0, 0, 100), unit(0, 100, 0, 100), unit(0, 200, 0, 50),
-                            unit(0, 300, 0, 10),  # a gap before it
+                            unit(0, 250 + 63, 0, 10),  # behind padding (at most 63 bytes)
+                            unit(0, 323 + 64, 0, 10),  # a gap of 64: no padding, another read
                             unit(1, 310, 0, 10),  # another file
                             unit(1, 320, 0, 500),  # over the limit with its neighbour
                             unit(1, 820, 0, 10)]))
     runs = contiguous_runs(units, limit=300)
-    assert [[j for j, _ in run] for run in runs] == [[0, 1, 2], [3], [4], [5], [6]]
+    assert [[j for j, _ in run] for run in runs] == [[0, 1, 2, 3], [4], [5], [6], [7]]
+
+
+def test_read_spans_skips_the_padding_between_views(tmp_path):
+    from bytecheckpoint.engine.load_pipeline import read_spans
+
+    data = bytes(range(256)) * 4
+    (tmp_path / "f").write_bytes(data)
+    storage, path = LocalStorage(fsync=False), str(tmp_path / "f")
+    spans = [(10, memoryview(bytearray(20))), (30, memoryview(bytearray(5))),  # back to back
+             (35 + 63, memoryview(bytearray(100)))]  # behind 63 bytes of padding
+    assert read_spans(storage, path, spans) == [20, 5, 100]
+    assert [bytes(v) for _, v in spans] == [data[10:30], data[30:35], data[98:198]]
+    first, last = memoryview(bytearray(20)), memoryview(bytearray(50))
+    assert read_spans(storage, path, [(990, first), (1010, last)]) == [20, 14]  # the file ends
+    assert bytes(first) == data[990:1010] and bytes(last[:14]) == data[1010:]
 
 
 def test_load_reader_threads_are_shared_by_the_ranks_of_a_host(monkeypatch):

@@ -65,7 +65,30 @@ def test_metadata_round_trip_and_storage_files_are_safetensors(tmp_path):
     with safe_open(str(tmp_path / "c" / "model-00000.safetensors"), "pt") as f:
         assert f.get_tensor("model/head.weight@0,0").equal(model.head.weight)
     with safe_open(str(tmp_path / "c" / "optim-00000.safetensors"), "pt") as f:
-        assert len(list(f.keys())) == len([t for t in meta.tensors if t.key.startswith("optimizer/")])
+        keys = list(f.keys())
+        pieces = [k for k in keys if not k.startswith("__padding__/")]
+        assert len(pieces) == len([t for t in meta.tensors if t.key.startswith("optimizer/")])
+        assert len(pieces) < len(keys)  # AdamW's 4-byte steps leave the next piece off the boundary
+        for k in keys:
+            if k.startswith("__padding__/"):
+                pad = f.get_tensor(k)
+                assert pad.dtype == torch.uint8 and 0 < pad.numel() < 64 and not pad.any()
+
+
+def test_every_piece_of_64_bytes_or_more_starts_on_a_64_byte_boundary(tmp_path):
+    """The copy from the page cache into a (64-byte aligned) tensor runs at about a third of
+    its speed when the file offset is off the cache line (see ``engine.files``)."""
+    model, optim = w.make_plain(seed=3)
+    w.train_step(model, optim, 0, 0)
+    bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim, "extra_state": {"note": "x" * 77}})
+    storage, path = resolve(str(tmp_path / "c"))
+    meta = read_metadata(storage, path)
+    b = meta.boxes
+    sizes = b.byte_length.tolist()
+    starts = b.byte_offset.tolist() + [o.bytes.byte_offset for o in meta.objects]
+    sizes += [o.bytes.byte_length for o in meta.objects]
+    assert any(n % 64 for n in sizes) and len(sizes) > 20  # odd sizes were there to misalign
+    assert all(start % 64 == 0 for start, n in zip(starts, sizes) if n >= 64)
 
 
 def test_memory_backend_round_trip():

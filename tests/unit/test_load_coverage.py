@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import bytecheckpoint as bcp
 from bytecheckpoint.commit.integrity import verify
 from bytecheckpoint.errors import CorruptCheckpointError
+from bytecheckpoint.format.metadata import FORMAT_VERSION
 from tests.support.make_format_fixture import build
 from tests.unit.test_hostile_metadata import (
     GRID,
@@ -102,12 +103,13 @@ def test_a_good_checkpoint_still_fills_every_element(ckpt):
     assert torch.equal(torch.cat([s.data for s in state["grid"]["w"]]), GRID)
 
 
-@pytest.mark.parametrize("fixture, checksummed", [("format_v1", False), ("format_v2", True)])
+@pytest.mark.parametrize("fixture, checksummed", [("format_v1", False), ("format_v2", True),
+                                                   ("format_v3", True)])
 def test_checkpoints_of_earlier_releases_still_load(tmp_path, fixture, checksummed):
     """Fixtures written by ``tests/support/make_format_fixture.py``: ``format_v1`` at 9cf57f0,
     the release before metadata checksums; ``format_v2`` at b1aed9c, the last commit before the
-    package moved into layers (``tests/make_format_fixture.py`` then). Each loads bit-exactly
-    and verifies clean."""
+    package moved into layers (``tests/make_format_fixture.py`` then); ``format_v3``, the first
+    with padding entries that align the pieces. Each loads bit-exactly and verifies clean."""
     src = os.path.join(FIXTURES, fixture)
     root = str(tmp_path / fixture)
     shutil.copytree(src, root)
@@ -140,4 +142,4 @@ def test_resaving_a_format_1_checkpoint_writes_the_current_format(tmp_path):
     bcp.save(str(tmp_path / "again"), {"model": model, "optimizer": optim, "extra_state": extra})
     with open(tmp_path / "again" / "metadata.msgpack", "rb") as f:
         assert f.read(8) == b"BCPMETA\x00"
-    assert read_doc(str(tmp_path / "again"))["version"] == 2
+    assert read_doc(str(tmp_path / "again"))["version"] == FORMAT_VERSION == 3

@@ -1,0 +1,125 @@
+"""Padding entries (format version 3): the gaps that align pieces to 64 bytes in a storage file
+are checked like the rest of it. A changed padding byte or entry is reported by name; a load
+never reads the padding into a tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import bytecheckpoint as bcp
+from bytecheckpoint.errors import CorruptCheckpointError
+from bytecheckpoint.format.file_headers import DATA_ALIGN, PADDING_PREFIX
+from tests.fuzz import seal
+from tests.support import workloads as w
+from tests.support.helpers import assert_same_state
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    model, optim = w.make_plain(seed=3)
+    w.train_step(model, optim, 0, 0)
+    path = str(tmp_path / "c")
+    bcp.save(path, {"model": model, "optimizer": optim})
+    return path, w.full_state(model, optim)
+
+
+def header_of(path: str) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def write_header(path: str, header: dict, data_start: int) -> None:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= data_start - 8  # same length: every offset stays where it was
+    raw += b" " * (data_start - 8 - len(raw))
+    with open(path, "r+b") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+
+
+def a_padding(path: str) -> tuple[str, int, int, int]:
+    """The optimizer file, the absolute byte range of one of its padding entries, and its data start."""
+    f = os.path.join(path, "optim-00000.safetensors")
+    start, header = header_of(f)
+    name = next(k for k in header if k.startswith(PADDING_PREFIX))
+    lo, hi = header[name]["data_offsets"]
+    return f, start + lo, start + hi, start
+
+
+def fresh_load(path: str, **kw) -> dict:
+    model, optim = w.make_plain(seed=9, lr=1.0)
+    bcp.load(path, {"model": model, "optimizer": optim}, **kw)
+    return w.full_state(model, optim)
+
+
+def test_a_changed_padding_byte_is_reported_by_verify_and_never_loaded(saved):
+    path, ref = saved
+    f, lo, hi, _ = a_padding(path)
+    assert 0 < hi - lo < DATA_ALIGN
+    with open(f, "r+b") as fh:
+        fh.seek(lo + (hi - lo) // 2)
+        fh.write(b"\x01")
+    problems = bcp.verify(path)
+    assert len(problems) == 1 and "padding" in problems[0] and "not zeros" in problems[0], problems
+    assert_same_state(ref, fresh_load(path))  # the padding is no tensor's bytes
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda e: e.update(dtype="I8"), "padding entry"),  # same length: offsets stay put
+    (lambda e: e.update(shape=[e["shape"][0] + 1]), "padding entry"),
+    (lambda e: e.update(data_offsets=[e["data_offsets"][0] - 1, e["data_offsets"][1]],
+                        shape=[e["shape"][0] + 1]), "overlaps a piece"),  # still under 64 bytes
+])
+def test_an_altered_padding_entry_is_refused_by_name(saved, edit, says):
+    path, _ = saved
+    f, _, _, data_start = a_padding(path)
+    _, header = header_of(f)
+    name = next(k for k in header if k.startswith(PADDING_PREFIX))
+    assert header[name]["shape"][0] < DATA_ALIGN - 1
+    edit(header[name])
+    write_header(f, header, data_start)
+    with pytest.raises(CorruptCheckpointError, match=says):
+        fresh_load(path)
+    assert any(says in p for p in bcp.verify(path))
+
+
+def test_padding_in_a_checkpoint_that_says_format_2_is_an_unexpected_entry(saved):
+    """Version 2 wrote no padding: there a padding entry is an entry the metadata lacks."""
+    path, _ = saved
+    meta_file = os.path.join(path, "metadata.msgpack")
+    with open(meta_file, "rb") as fh:
+        doc = seal.decode_doc(fh.read())
+    assert doc["version"] == 3
+    doc["version"] = 2
+    with open(meta_file, "wb") as fh:
+        fh.write(seal.encode_doc(doc))
+    with pytest.raises(CorruptCheckpointError, match="header lists .* entries"):
+        fresh_load(path)
+    bcp.load(path, {"model": w.make_plain(seed=9)[0]}, strict=False, verify=False)  # the bytes are fine
+
+
+class OddThenBig(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("a_odd", torch.arange(3, dtype=torch.uint8))  # 3 bytes
+        self.b_big = torch.nn.Parameter(torch.randn(1 << 18))  # 1 MiB
+
+
+def test_a_big_piece_after_an_odd_one_is_aligned_and_loads_bit_exact(tmp_path):
+    model = OddThenBig()
+    path = str(tmp_path / "odd")
+    bcp.save(path, {"model": model})
+    data_start, header = header_of(os.path.join(path, "model-00000.safetensors"))
+    entries = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
+    assert [k.split("@")[0] for _, k in entries] == ["model/a_odd", f"{PADDING_PREFIX}0", "model/b_big"]
+    (_, odd_end), _ = entries[0]
+    (big, _), _ = entries[2]
+    assert (data_start + odd_end) % DATA_ALIGN == 3 and (data_start + big) % DATA_ALIGN == 0
+    back = OddThenBig()
+    bcp.load(path, {"model": back})
+    assert torch.equal(back.a_odd, model.a_odd) and torch.equal(back.b_big, model.b_big)
