@@ -96,6 +96,9 @@ MODES: dict[str, Mode] = {
     # tensors otherwise write straight from the live tensors; engine/write_through.py).
     "ours-overlapped-arena": Mode("bcp", {"async_save": True, "snapshot": "overlapped"},
                                   env={"BCP_SNAPSHOT_WRITE_THROUGH": "0"}),
+    # Written through with writes that never wait for writeback (BCP_STORAGE_DROP_BEHIND=0)
+    "ours-overlapped-nodrop": Mode("bcp", {"async_save": True, "snapshot": "overlapped"},
+                                   env={"BCP_STORAGE_DROP_BEHIND": "0"}),
     "ours-overlapped-cap64": Mode("bcp", {"async_save": True, "snapshot": "overlapped",
                                           "staging_max_bytes": 64 << 20}),
     "ours-blocking-cap64": Mode("bcp", {"async_save": True, "snapshot": "blocking",
