@@ -25,8 +25,12 @@ from ..format.file_headers import DATA_ALIGN, PADDING_PREFIX
 from ..storage import Storage
 from ..storage.base import abort_quietly
 
-# Large pieces are written in blocks so hashing and writing interleave in cache.
-_WRITE_BLOCK = 16 << 20
+# Large pieces are written in blocks so hashing and writing interleave in cache: a block is
+# hashed, then copied into the page cache while still in the CPU's caches. 4 ranks writing
+# 16 MiB blocks overflow a 32 MiB L3 between the two; with 4 MiB blocks the writes took about
+# 20% less system CPU at equal wall time (bench/write_block.py: 1.45 against 1.85 s), CPU an
+# overlapped save leaves to training.
+_WRITE_BLOCK = 4 << 20
 
 
 @dataclass(frozen=True)
