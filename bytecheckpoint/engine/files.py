@@ -73,9 +73,10 @@ def data_layout(sizes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
     return starts, pads
 
 
-def header_bytes(pieces: list[Piece], metadata: dict[str, str]) -> bytes:
+def header_bytes(pieces: list[Piece], metadata: dict[str, str], starts: list[int],
+                 pads: list[tuple[int, int]]) -> bytes:
+    """The header of a file laid out by ``data_layout``."""
     header: dict[str, object] = {"__metadata__": metadata}
-    starts, pads = data_layout([p.nbytes for p in pieces])
     entries = [(s, p.name, p.code, list(p.shape), p.nbytes) for s, p in zip(starts, pieces)]
     entries += [(s, f"{PADDING_PREFIX}{i}", "U8", [n], n) for i, (s, n) in enumerate(pads)]
     for start, name, code, shape, n in sorted(entries, key=lambda e: e[0]):
@@ -91,8 +92,8 @@ def write_file(
     storage: Storage, path: str, pieces: list[Piece], chunk_bytes: int, metadata: dict[str, str]
 ) -> tuple[int, list[WrittenPiece]]:
     """Write ``pieces`` to ``path``; return the file size and where each piece landed."""
-    head = header_bytes(pieces, metadata)
-    starts, _ = data_layout([p.nbytes for p in pieces])
+    starts, pads = data_layout([p.nbytes for p in pieces])
+    head = header_bytes(pieces, metadata, starts, pads)
     writer = storage.open_writer(path)
     written: list[WrittenPiece] = []
     try:
