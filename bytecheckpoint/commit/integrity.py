@@ -15,7 +15,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError
 from ..format.checksums import bad_chunks
-from ..format.file_headers import PADDING_SINCE, Entry, expected_entries, header_problem
+from ..format.file_headers import DATA_ALIGN, PADDING_SINCE, Entry, expected_entries, header_problem
 from ..format.metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
 from ..format.metadata_file import metadata_max_bytes, read_metadata_bytes
 from ..storage import Storage, open_storage
@@ -233,6 +233,12 @@ def _padding_problems(storage: Storage, path: str, pieces: list[ByteMeta], skip:
         full = posixpath.join(path, name)
         spans.sort()
         gaps = [(end, start) for (_, end), (start, _) in zip(spans, spans[1:]) if start > end]
+        hole = next(((a, b) for a, b in gaps if b - a >= DATA_ALIGN), None)
+        if hole is not None:  # never read: a hostile metadata could make it any size
+            out.append(Problem(name, f"{storage.url(full)}: bytes {hole[0]}..{hole[1]} between two "
+                                     f"pieces are longer than any padding ({DATA_ALIGN - 1} bytes at "
+                                     "most): the metadata or the file was altered"))
+            continue
         try:
             bad = next(((a, b) for a, b in gaps if any(bytes(storage.read(full, a, b - a)))), None)
         except (OSError, EOFError) as exc:

@@ -168,3 +168,19 @@ def test_any_sizes_give_a_valid_safetensors_file_with_large_pieces_aligned(tmp_p
     # as a version 2 file (no padding allowed), exactly the padded files fail
     as_v2 = header_problem(storage, directory, name, size, expected, 1 << 20, padding=False)
     assert (as_v2 is None) != padded
+
+
+def test_a_hole_longer_than_any_padding_is_reported_without_reading_it():
+    """Hostile metadata may place two pieces of a file any distance apart (the file made as
+    large): verify names the hole instead of reading gigabytes of it to check for zeros."""
+    from bytecheckpoint.commit.integrity import _padding_problems
+    from bytecheckpoint.format.metadata import ByteMeta
+    from bytecheckpoint.storage.memory import MemoryStorage
+
+    class NoReads(MemoryStorage):
+        def read(self, path, offset, length):  # noqa: ANN001, ANN201
+            raise AssertionError(f"read {length} bytes at {offset}")
+
+    pieces = [ByteMeta("f", 0, 64, ()), ByteMeta("f", 64 + (1 << 40), 64, ())]
+    problems = _padding_problems(NoReads(), "ckpt", pieces, set())
+    assert len(problems) == 1 and "longer than any padding" in problems[0].message
