@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 
 from ..errors import NotARegularFileError
 from . import parallel
@@ -37,18 +38,30 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 _READ_CALL = 4 << 20
 
+# Bytes read through one descriptor before the next is opened. Along one descriptor's long
+# sequential read the kernel's readahead keeps growing, and past about 64 MiB the copy out of
+# the page cache got three times dearer here: 4 ranks loading 3.56 GB through 128 or 256 MiB
+# per descriptor ran at 1.3-1.4 GB/s with 2.4-2.8 system CPU-s, through 64 MiB at 1.8-2.0
+# GB/s with 0.9 (docs/performance.md, "Reads through a fresh descriptor every 64 MiB").
+_DESCRIPTOR_BYTES = 64 << 20
 
-def _pread_all(fd: int, offset: int, buffer: memoryview, drop: bool = False) -> int:
-    total = 0
-    while total < len(buffer):
-        # Calls of a few MiB let the kernel's readahead run ahead of the copy.
-        n = os.preadv(fd, [buffer[total : total + _READ_CALL]], offset + total)
-        if n == 0:
-            break
-        if drop:  # consumed: these pages will not be read again
-            drop_pages(fd, offset + total, n)
-        total += n
-    return total
+
+def _segments(views: list[memoryview], limit: int) -> Iterator[list[memoryview]]:
+    """``views`` in order, cut into consecutive groups of at most ``limit`` bytes (a view
+    that crosses a boundary is split there); empty views are left out."""
+    group: list[memoryview] = []
+    size = 0
+    for view in views:
+        while len(view):
+            take = min(len(view), limit - size)
+            group.append(view[:take])
+            size += take
+            view = view[take:]
+            if size == limit:
+                yield group
+                group, size = [], 0
+    if group:
+        yield group
 
 
 _IOV_MAX = 1024  # buffers per preadv call (Linux's UIO_MAXIOV)
@@ -82,6 +95,24 @@ def _preadv_all(fd: int, offset: int, views: list[memoryview], drop: bool = Fals
                 skip, n = skip + n, 0
         while i < len(views) and len(views[i]) == 0:
             i += 1
+    return total
+
+
+def _read_sequential(path: str, offset: int, views: list[memoryview], drop: bool) -> int:
+    """Fill ``views`` in order from ``offset`` of ``path``: one sequential stream, a fresh
+    descriptor every ``_DESCRIPTOR_BYTES``; short only at end of file."""
+    total = 0
+    for group in _segments(views, _DESCRIPTOR_BYTES):
+        size = sum(len(v) for v in group)
+        fd = _open_regular(path)
+        try:
+            os.posix_fadvise(fd, offset + total, size, os.POSIX_FADV_SEQUENTIAL)
+            got = _preadv_all(fd, offset + total, group, drop)
+        finally:
+            os.close(fd)
+        total += got
+        if got < size:
+            break
     return total
 
 
@@ -189,14 +220,9 @@ class LocalStorage(Storage):
         drop = self._drops_reads(len(buffer))
 
         def read_part(off: int, view: memoryview) -> int:
-            # One descriptor per part: the kernel keeps readahead state per open file, and
-            # parts sharing one descriptor would reset each other's.
-            fd = _open_regular(path)
-            try:
-                os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_SEQUENTIAL)
-                return _pread_all(fd, off, view, drop)
-            finally:
-                os.close(fd)
+            # Descriptors of its own per part: the kernel keeps readahead state per open
+            # file, and parts sharing one descriptor would reset each other's.
+            return _read_sequential(path, off, [view], drop)
 
         n = parallel.read_parts(read_part, offset, buffer, self.transfer)
         if drop and self.transfer.parallel:
@@ -209,16 +235,15 @@ class LocalStorage(Storage):
         return n
 
     def read_into_many(self, path: str, offset: int, buffers: list[memoryview]) -> int:
-        # One descriptor and one sequential pass: the kernel's readahead sees one stream,
-        # where a read per buffer would open the file again and restart it each time.
+        # One sequential pass: the kernel's readahead sees one stream, where a read per buffer
+        # would open the file again and restart it each time.
         views = [memoryview(b).cast("B") for b in buffers]
-        fd = _open_regular(self._os_path(path))
-        try:
-            size = sum(len(v) for v in views)
-            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_SEQUENTIAL)
-            return _preadv_all(fd, offset, views, self._drops_reads(size))
-        finally:
-            os.close(fd)
+        path = self._os_path(path)
+        size = sum(len(v) for v in views)
+        if not size:
+            os.close(_open_regular(path))  # missing or not a file: raises, as a read would
+            return 0
+        return _read_sequential(path, offset, views, self._drops_reads(size))
 
     def _drops_reads(self, size: int) -> bool:
         # Small reads (metadata, headers) may well be read again; tensor bytes are not.

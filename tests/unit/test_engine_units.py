@@ -506,3 +506,67 @@ def test_a_save_that_fails_before_its_copy_starts_releases_training(tmp_path, mo
     with pytest.raises(RuntimeError, match="new thread"):
         handle.wait(timeout=30)
     assert not (tmp_path / "x").exists()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 50), max_size=10), st.integers(1, 40))
+def test_descriptor_segments_cover_the_views_in_order_within_the_limit(sizes, limit):
+    from bytecheckpoint.storage.local import _segments
+
+    data = os.urandom(sum(sizes))
+    views, at = [], 0
+    for n in sizes:
+        views.append(memoryview(data)[at : at + n])
+        at += n
+    groups = list(_segments(views, limit))
+    assert b"".join(bytes(v) for g in groups for v in g) == data
+    assert all(len(v) for g in groups for v in g)  # no empty view is read
+    lengths = [sum(len(v) for v in g) for g in groups]
+    assert all(n == limit for n in lengths[:-1]) and all(0 < n <= limit for n in lengths)
+
+
+def test_long_reads_open_a_fresh_descriptor_per_segment_and_stop_at_eof(tmp_path, monkeypatch):
+    """A long sequential read goes through a new descriptor every ``_DESCRIPTOR_BYTES``
+    (readahead restarts; measured faster in loads), with every byte in place, and a file
+    that ends mid-read gives back exactly the bytes it has."""
+    from bytecheckpoint.storage import local as local_mod
+
+    limit = (1 << 20) + 3  # odd: segments cut views and 4 MiB calls off their boundaries
+    monkeypatch.setattr(local_mod, "_DESCRIPTOR_BYTES", limit)
+    data = os.urandom((5 << 20) + 777)
+    path = str(tmp_path / "f")
+    (tmp_path / "f").write_bytes(data)
+    per_descriptor: list[int] = []
+    real_open, real_preadv = local_mod._open_regular, os.preadv
+
+    def opened(p: str) -> int:
+        per_descriptor.append(0)
+        return real_open(p)
+
+    def preadv(fd: int, bufs: list, off: int) -> int:
+        n = real_preadv(fd, bufs, off)
+        per_descriptor[-1] += n
+        return n
+
+    monkeypatch.setattr(local_mod, "_open_regular", opened)
+    monkeypatch.setattr(local_mod.os, "preadv", preadv)
+    transfer = TransferSettings(part_bytes=64 << 20, threads=1)
+    local = LocalStorage(fsync=False, transfer=transfer)
+    bufs = [bytearray(n) for n in (5, (2 << 20) + 1, 0, 3 << 20, 770)]
+    assert local.read_into_many(path, 1, [memoryview(b) for b in bufs]) == sum(map(len, bufs))
+    assert b"".join(bufs) == data[1 : 1 + sum(map(len, bufs))]
+    assert per_descriptor and max(per_descriptor) <= limit
+    assert sum(per_descriptor) == sum(map(len, bufs))
+    per_descriptor.clear()
+    out = bytearray(len(data))
+    assert local.read_into(path, 0, memoryview(out)) == len(data) and out == data
+    assert max(per_descriptor) <= limit
+    # The file ends inside the third segment: the bytes before its end, and no more.
+    past = bytearray(len(data) + 3 * limit)
+    want = len(data) - (2 * limit + 10)
+    assert local.read_into_many(path, 2 * limit + 10, [memoryview(past)]) == want
+    assert past[:want] == data[2 * limit + 10 :]
+    # Ending exactly on a segment boundary.
+    exact = bytearray(len(data))
+    assert local.read_into_many(path, len(data) - 2 * limit, [memoryview(exact)]) == 2 * limit
+    assert exact[: 2 * limit] == data[-2 * limit :]
