@@ -14,6 +14,9 @@ each, with the page cache dropped (and the disk left idle 2 s) before every cold
   load         ``bcp.load`` into the same layout
   warm-load    ``bcp.load`` with every file in the page cache (``BCP_STORAGE_DROP_BEHIND=0``,
                so the load does not drop what it read): the copies and the CPU, no disk
+  load-one-descriptor
+               ``bcp.load`` as before 448a4b6: each sequential request through one
+               descriptor however long (the local backend now opens a fresh one every 64 MiB)
 
 Both reads are 4 MiB preadv calls with consumed pages dropped, as the engine reads. Prints per
 mode the median GB/s and the CPU seconds (user, system) summed over the 4 ranks.
@@ -43,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import MODELS, free_port, gather, max_over_ranks  # noqa: E402
 from bench.load_vs_read_limit import READ_CALL, data_files, drop_cache, make_state  # noqa: E402
 
-MODES = ("read", "read-pieces", "load", "warm-load")
+MODES = ("read", "read-pieces", "load", "warm-load", "load-one-descriptor")
 
 
 def own_files(path: str, rank: int) -> list[str]:
@@ -120,6 +123,14 @@ def worker(rank: int, world: int, port: int, model: str, reps: int, modes: list[
                 read_whole(files, buffers)
             elif mode == "read-pieces":
                 read_pieces(files, tensors)
+            elif mode == "load-one-descriptor":
+                from bytecheckpoint.storage import local
+
+                every, local._DESCRIPTOR_BYTES = local._DESCRIPTOR_BYTES, 1 << 62
+                try:
+                    bcp.load(path, state, framework="fsdp2")
+                finally:
+                    local._DESCRIPTOR_BYTES = every
             else:
                 bcp.load(path, state, framework="fsdp2")
             elapsed = max_over_ranks(time.perf_counter() - t)

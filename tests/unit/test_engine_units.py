@@ -390,7 +390,11 @@ def test_read_spans_skips_the_padding_between_views(tmp_path):
 def test_load_reader_threads_are_shared_by_the_ranks_of_a_host(monkeypatch):
     from bytecheckpoint.engine.load import read_threads_setting, share_of_host
 
-    assert [share_of_host(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    assert [share_of_host(n, cores=64) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    # No more threads than the rank's share of the cores, and never none.
+    assert [share_of_host(n, cores=2) for n in (1, 2, 3, 4)] == [2, 1, 1, 1]
+    assert share_of_host(1, cores=1) == 1 and share_of_host(0, cores=0) == 1
+    assert share_of_host(2) == share_of_host(2, cores=len(os.sched_getaffinity(0)))
     monkeypatch.delenv("BCP_LOAD_THREADS", raising=False)
     assert read_threads_setting() is None
     monkeypatch.setenv("BCP_LOAD_THREADS", "3")
