@@ -110,7 +110,8 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
     Setting("BCP_STORAGE_DROP_BEHIND", _S3, "1",
             "1: large local reads and writes drop the page-cache pages they are done with; 0: keep "
             "them cached"),
-    Setting("BCP_LOAD_THREADS", "bytecheckpoint/engine/load.py", "4 / ranks on the host, at most cores / ranks",
+    Setting("BCP_LOAD_THREADS", "bytecheckpoint/engine/load.py",
+            "4 / ranks on the host, at most cores / ranks",
             "reader threads per rank during a load (each large read is split again into "
             "BCP_STORAGE_THREADS parts)"),
     Setting("BCP_LOAD_EARLY", "bytecheckpoint/engine/load.py", "1",
