@@ -100,20 +100,35 @@ def _preadv_all(fd: int, offset: int, views: list[memoryview], drop: bool = Fals
 
 def _read_sequential(path: str, offset: int, views: list[memoryview], drop: bool) -> int:
     """Fill ``views`` in order from ``offset`` of ``path``: one sequential stream, a fresh
-    descriptor every ``_DESCRIPTOR_BYTES``; short only at end of file."""
+    descriptor every ``_DESCRIPTOR_BYTES``, all of the one file the first opened (a file
+    renamed over ``path`` meanwhile is not read); short only at end of file."""
     total = 0
-    for group in _segments(views, _DESCRIPTOR_BYTES):
-        size = sum(len(v) for v in group)
-        fd = _open_regular(path)
-        try:
-            os.posix_fadvise(fd, offset + total, size, os.POSIX_FADV_SEQUENTIAL)
-            got = _preadv_all(fd, offset + total, group, drop)
-        finally:
-            os.close(fd)
-        total += got
-        if got < size:
-            break
+    first = _open_regular(path)
+    try:
+        for i, group in enumerate(_segments(views, _DESCRIPTOR_BYTES)):
+            size = sum(len(v) for v in group)
+            fd = first if i == 0 else _reopen(first)
+            try:
+                os.posix_fadvise(fd, offset + total, size, os.POSIX_FADV_SEQUENTIAL)
+                got = _preadv_all(fd, offset + total, group, drop)
+            finally:
+                if fd != first:
+                    os.close(fd)
+            total += got
+            if got < size:
+                break
+    finally:
+        os.close(first)
     return total
+
+
+def _reopen(fd: int) -> int:
+    """A new descriptor, with readahead state of its own, of the file ``fd`` is open on,
+    whatever its path names now; ``fd`` itself where there is no ``/proc`` to reopen it by."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return fd
 
 
 def _refuse_special(path: str, mode: int) -> None:

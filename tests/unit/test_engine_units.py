@@ -552,7 +552,16 @@ def test_long_reads_open_a_fresh_descriptor_per_segment_and_stop_at_eof(tmp_path
         per_descriptor[-1] += n
         return n
 
+    real_reopen = local_mod._reopen
+
+    def reopened(fd: int) -> int:
+        new = real_reopen(fd)
+        assert new != fd and os.fstat(new).st_ino == os.fstat(fd).st_ino  # the same file, anew
+        per_descriptor.append(0)
+        return new
+
     monkeypatch.setattr(local_mod, "_open_regular", opened)
+    monkeypatch.setattr(local_mod, "_reopen", reopened)
     monkeypatch.setattr(local_mod.os, "preadv", preadv)
     transfer = TransferSettings(part_bytes=64 << 20, threads=1)
     local = LocalStorage(fsync=False, transfer=transfer)
@@ -574,3 +583,28 @@ def test_long_reads_open_a_fresh_descriptor_per_segment_and_stop_at_eof(tmp_path
     exact = bytearray(len(data))
     assert local.read_into_many(path, len(data) - 2 * limit, [memoryview(exact)]) == 2 * limit
     assert exact[: 2 * limit] == data[-2 * limit :]
+
+
+def test_a_file_renamed_over_the_path_mid_read_is_not_read(tmp_path, monkeypatch):
+    """Every segment of one read comes from the file its first descriptor opened: a file
+    renamed over the path between segments (an overwriting save) never mixes into it."""
+    from bytecheckpoint.storage import local as local_mod
+
+    limit = 1 << 20
+    monkeypatch.setattr(local_mod, "_DESCRIPTOR_BYTES", limit)
+    old, new = os.urandom(3 * limit), os.urandom(3 * limit)
+    path = tmp_path / "f"
+    path.write_bytes(old)
+    (tmp_path / "g").write_bytes(new)
+    real_reopen = local_mod._reopen
+
+    def replace_then_reopen(fd: int) -> int:
+        if (tmp_path / "g").exists():
+            os.replace(tmp_path / "g", path)
+        return real_reopen(fd)
+
+    monkeypatch.setattr(local_mod, "_reopen", replace_then_reopen)
+    out = bytearray(3 * limit)
+    local = LocalStorage(fsync=False, transfer=TransferSettings(threads=1))
+    assert local.read_into_many(str(path), 0, [memoryview(out)]) == len(old)
+    assert out == old and path.read_bytes() == new
