@@ -253,12 +253,8 @@ class LocalStorage(Storage):
         # One sequential pass: the kernel's readahead sees one stream, where a read per buffer
         # would open the file again and restart it each time.
         views = [memoryview(b).cast("B") for b in buffers]
-        path = self._os_path(path)
         size = sum(len(v) for v in views)
-        if not size:
-            os.close(_open_regular(path))  # missing or not a file: raises, as a read would
-            return 0
-        return _read_sequential(path, offset, views, self._drops_reads(size))
+        return _read_sequential(self._os_path(path), offset, views, self._drops_reads(size))
 
     def _drops_reads(self, size: int) -> bool:
         # Small reads (metadata, headers) may well be read again; tensor bytes are not.
