@@ -608,3 +608,25 @@ def test_a_file_renamed_over_the_path_mid_read_is_not_read(tmp_path, monkeypatch
     local = LocalStorage(fsync=False, transfer=TransferSettings(threads=1))
     assert local.read_into_many(str(path), 0, [memoryview(out)]) == len(old)
     assert out == old and path.read_bytes() == new
+
+
+def test_without_proc_a_long_read_keeps_its_first_descriptor(tmp_path, monkeypatch):
+    """Where ``/proc/self/fd`` cannot be opened (no procfs), the segments read on through the
+    first descriptor: the same bytes, only without fresh readahead state."""
+    from bytecheckpoint.storage import local as local_mod
+
+    monkeypatch.setattr(local_mod, "_DESCRIPTOR_BYTES", 1 << 20)
+    data = os.urandom((3 << 20) + 5)
+    (tmp_path / "f").write_bytes(data)
+    real_open = os.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(local_mod.os, "open", no_proc)
+    out = bytearray(len(data))
+    local = LocalStorage(fsync=False, transfer=TransferSettings(threads=1))
+    assert local.read_into_many(str(tmp_path / "f"), 0, [memoryview(out)]) == len(data)
+    assert out == data
