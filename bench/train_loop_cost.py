@@ -99,6 +99,9 @@ MODES: dict[str, Mode] = {
     # Written through with writes that never wait for writeback (BCP_STORAGE_DROP_BEHIND=0)
     "ours-overlapped-nodrop": Mode("bcp", {"async_save": True, "snapshot": "overlapped"},
                                    env={"BCP_STORAGE_DROP_BEHIND": "0"}),
+    # Written through the page cache only: no direct writes (BCP_STORAGE_DIRECT_WRITES=0)
+    "ours-overlapped-buffered": Mode("bcp", {"async_save": True, "snapshot": "overlapped"},
+                                     env={"BCP_STORAGE_DIRECT_WRITES": "0"}),
     "ours-overlapped-cap64": Mode("bcp", {"async_save": True, "snapshot": "overlapped",
                                           "staging_max_bytes": 64 << 20}),
     "ours-blocking-cap64": Mode("bcp", {"async_save": True, "snapshot": "blocking",
@@ -112,7 +115,8 @@ PAIRS = (("ours-overlapped", "dcp-async"), ("ours-overlapped", "dcp-async-staged
          ("ours-overlapped-arena", "dcp-async"), ("ours-overlapped", "ours-overlapped-arena"),
          ("ours-blocking", "dcp-async"), ("ours-blocking", "dcp-async-staged"), ("ours-sync", "dcp-sync"),
          ("ours-overlapped-cap64", "ours-overlapped"), ("ours-blocking-cap64", "ours-blocking"),
-         ("ours-overlapped-cap64", "dcp-async"))
+         ("ours-overlapped-cap64", "dcp-async"), ("ours-overlapped-buffered", "dcp-async"),
+         ("ours-overlapped", "ours-overlapped-buffered"))
 
 
 # -- per-process helpers ---------------------------------------------------------------------

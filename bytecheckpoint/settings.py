@@ -110,6 +110,10 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
     Setting("BCP_STORAGE_DROP_BEHIND", _S3, "1",
             "1: large local reads and writes drop the page-cache pages they are done with; 0: keep "
             "them cached"),
+    Setting("BCP_STORAGE_DIRECT_WRITES", _S3, "1",
+            "1: the aligned middle of a large local write goes to the disk from the caller's memory "
+            "(O_DIRECT, where the file system reports its alignment); 0: everything through the "
+            "page cache"),
     Setting("BCP_LOAD_THREADS", "bytecheckpoint/engine/load.py",
             "4 / ranks on the host, at most cores / ranks",
             "reader threads per rank during a load (each large read is split again into "

@@ -15,7 +15,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError
 from ..format.checksums import bad_chunks
-from ..format.file_headers import DATA_ALIGN, PADDING_SINCE, Entry, expected_entries, header_problem
+from ..format.file_headers import Entry, expected_entries, header_problem, padding_limit
 from ..format.metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
 from ..format.metadata_file import metadata_max_bytes, read_metadata_bytes
 from ..storage import Storage, open_storage
@@ -153,7 +153,7 @@ def file_problem(storage: Storage, path: str, meta: CheckpointMetadata, name: st
         return None
     try:
         return header_problem(storage, path, name, size, header, metadata_max_bytes(),
-                              padding=meta.format_version >= PADDING_SINCE)
+                              padding=padding_limit(meta.format_version))
     except (OSError, EOFError) as exc:
         return f"{storage.url(full)}: cannot read its safetensors header: {exc}"
 
@@ -192,7 +192,7 @@ def verify_files(url: str, *, threads: int = 4,
     pieces = [sb.bytes for t in meta.tensors for sb in meta.boxes_of(t.key)]
     pieces += [o.bytes for o in meta.objects]
     bad_file = {p.file for p in problems}
-    problems += _padding_problems(storage, path, pieces, bad_file)
+    problems += _padding_problems(storage, path, pieces, bad_file, padding_limit(meta.format_version))
     block = max(1, _VERIFY_BLOCK // meta.chunk_bytes) * meta.chunk_bytes
 
     def check(piece: ByteMeta) -> Problem | None:
@@ -220,9 +220,11 @@ def verify_files(url: str, *, threads: int = 4,
     return storage.url(path), problems
 
 
-def _padding_problems(storage: Storage, path: str, pieces: list[ByteMeta], skip: set[str]) -> list[Problem]:
-    """The bytes between two pieces of a file (the padding that aligns them, format 3) are
-    zeros: no checksum covers them, and a tool that reads the padding entries reads them."""
+def _padding_problems(storage: Storage, path: str, pieces: list[ByteMeta], skip: set[str],
+                      limit: int) -> list[Problem]:
+    """The bytes between two pieces of a file (the padding that places them, format 3 on;
+    shorter than ``limit``) are zeros: no checksum covers them, and a tool that reads the
+    padding entries reads them."""
     by_file: dict[str, list[tuple[int, int]]] = {}
     for piece in pieces:
         if piece.file not in skip and piece.byte_length:
@@ -233,10 +235,10 @@ def _padding_problems(storage: Storage, path: str, pieces: list[ByteMeta], skip:
         full = posixpath.join(path, name)
         spans.sort()
         gaps = [(end, start) for (_, end), (start, _) in zip(spans, spans[1:]) if start > end]
-        hole = next(((a, b) for a, b in gaps if b - a >= DATA_ALIGN), None)
+        hole = next(((a, b) for a, b in gaps if b - a >= max(limit, 1)), None)
         if hole is not None:  # never read: a hostile metadata could make it any size
             out.append(Problem(name, f"{storage.url(full)}: bytes {hole[0]}..{hole[1]} between two "
-                                     f"pieces are longer than any padding ({DATA_ALIGN - 1} bytes at "
+                                     f"pieces are longer than any padding ({max(limit - 1, 0)} bytes at "
                                      "most): the metadata or the file was altered"))
             continue
         try:

@@ -244,7 +244,7 @@ def _write_host(layout: HostLayout, storage: Storage, staging: str, pairs: list[
         if kinds != sorted(kinds):  # the leader consumes a member's stream kind by kind
             raise RuntimeError(f"host files: rank {s.rank} sent its entries out of kind order")
         for i, e in enumerate(s.manifest.entries):
-            piece = Piece(e.name, e.code, e.shape, e.nbytes, None, parts=lambda s=s, i=i: s.parts(i))
+            piece = Piece(e.name, e.code, e.shape, e.nbytes, None, parts=lambda _block, s=s, i=i: s.parts(i))
             by_kind[e.kind].append((e, piece))
     ranks = f"{layout.leader}-{layout.leader + len(layout.members)}"
     files: list[FileMeta] = []

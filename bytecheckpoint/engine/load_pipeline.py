@@ -35,7 +35,7 @@ from telemetry import span
 from ..errors import CorruptCheckpointError, RankFailedError
 from ..format.boxes import Box, element_span, row_major_strides
 from ..format.checksums import bad_chunks
-from ..format.file_headers import DATA_ALIGN
+from ..format.file_headers import DIRECT_PADDING
 from ..planners import LocalShard
 from ..runtime.devices import on_device
 from ..storage import Storage
@@ -108,14 +108,15 @@ def copy_out(read: BoxRead, non_blocking: bool = False) -> None:
 
 def follows(start: int, end: int) -> bool:
     """Whether bytes at ``start`` continue a read that ended at ``end``: back to back, or
-    behind a padding entry (fewer than ``DATA_ALIGN`` bytes, read and dropped)."""
-    return 0 <= start - end < DATA_ALIGN
+    behind a padding entry (fewer than ``DIRECT_PADDING`` bytes, read and dropped: less than
+    one page, cheaper than a request of its own)."""
+    return 0 <= start - end < DIRECT_PADDING
 
 
 def read_spans(storage: Storage, full: str, spans: list[tuple[int, memoryview]]) -> list[int]:
     """Fill views that lie in order in one file (``(file offset, view)``, each ``follows``
     the one before) with one sequential request; returns the bytes that landed in each."""
-    scratch = memoryview(bytearray(DATA_ALIGN))  # the padding's bytes land here
+    scratch = memoryview(bytearray(DIRECT_PADDING))  # the padding's bytes land here
     views: list[memoryview] = []
     end = spans[0][0]
     for start, view in spans:

@@ -79,7 +79,7 @@ from .snapshot import Snapshot, SnapshotMode
 from .staging import Stager
 from .staging_ring import CappedStager
 from .write_through import WriteThroughStager
-from .writer import KIND_ORDER, Entry, rank_entries, tensor_bytes, write_rank
+from .writer import KIND_ORDER, Entry, TensorSource, rank_entries, write_rank
 
 
 @dataclass
@@ -399,7 +399,7 @@ class _Sources:
         if self.stager is not None:
             self.fns = self.stager.sources_for_writer
         else:
-            self.fns = [lambda v=v: tensor_bytes(v) for v in views]
+            self.fns = [TensorSource(v) for v in views]
 
     @property
     def capped(self) -> bool:
@@ -453,7 +453,7 @@ def _stager(job: _Job, assignment: Assignment, views: list[torch.Tensor]) -> Sta
         # Only here: finding a buffer walks every submodule of a model that has none.
         forward_waits = any(snapshot.waits_in_forward(m) for m in job.modules)
         if write_through.applies(views, job.storage, forward_waits, job.host is not None):
-            return WriteThroughStager(views, names, owners, job.opts.chunk_bytes)
+            return WriteThroughStager(views, names, owners)
     cap = staging_ring.staging_cap(job.opts.staging_max_bytes)
     need = sum(-(-v.numel() * v.element_size() // 64) * 64 for v in views)
     if cap is None or need <= cap:

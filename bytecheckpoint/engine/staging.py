@@ -169,6 +169,14 @@ class StagedPiece:
     _failed: bool = False
     _error: BaseException | None = None
 
+    @property
+    def address(self) -> int | None:
+        """Where the copy lands in the arena (host memory: pinned or not)."""
+        return self.data.data_ptr() if self.data.numel() else None
+
+    def __call__(self) -> memoryview:
+        return self.bytes()
+
     def bytes(self) -> memoryview:
         self._ready.wait()
         if self._failed and isinstance(self._error, StagingError):
@@ -217,7 +225,7 @@ class Stager:
             StagedPiece(arena[o : o + s.numel() * s.element_size()], _Flag(landed))
             for o, s in zip(offsets, self.sources)
         ]
-        self.sources_for_writer = [p.bytes for p in self.pieces]
+        self.sources_for_writer = list(self.pieces)
 
     def _init_common(self, sources: list[torch.Tensor], names: list[str] | None,
                      owners: list[torch.Tensor] | None) -> None:

@@ -124,7 +124,8 @@ class RingPiece:
         raise StagingError("a piece staged through a bounded arena is read in parts only; this "
                            "save path cannot use BCP_STAGING_MAX_BYTES: unset it")
 
-    def parts(self) -> Iterator[memoryview]:
+    def parts(self, block: int = 0) -> Iterator[memoryview]:
+        """The segments as they land (their size is the ring's; ``block`` is not used)."""
         ring = self._stager.ring
         for seg in self._stager.segments[self._index]:
             seg.ready.wait()

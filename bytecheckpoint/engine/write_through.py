@@ -27,7 +27,6 @@ import torch
 
 from ..errors import InvalidArgumentError, StagingError
 from ..storage import Storage
-from .files import write_block
 from .staging import Stager
 
 SETTING = "BCP_SNAPSHOT_WRITE_THROUGH"
@@ -61,12 +60,10 @@ class WriteThroughStager(Stager):
     snapshot is complete), or when the write ends or stops another way (``finish``,
     ``cancel``, ``fail``: training never waits for a save that is over)."""
 
-    def __init__(self, sources: list[torch.Tensor], names: list[str], owners: list[torch.Tensor],
-                 chunk_bytes: int) -> None:
+    def __init__(self, sources: list[torch.Tensor], names: list[str], owners: list[torch.Tensor]) -> None:
         self._init_common(sources, names, owners)
         self.peak_bytes = 0
         self.pieces = []
-        self._block = write_block(chunk_bytes)
         self._lock = threading.Lock()
         self._left = len(self.sources)
         self._on_done: Callable[[], None] | None = None
@@ -113,18 +110,25 @@ class WriteThroughStager(Stager):
 
 
 class LivePiece:
-    """A writer's source for one live tensor: ``parts()`` checks the tensor's counter, yields
-    its bytes in blocks of whole checksum chunks, and checks the counter again once the writer
-    asks past the last block (the writer has copied it by then)."""
+    """A writer's source for one live tensor: ``parts(block)`` checks the tensor's counter,
+    yields its bytes in blocks of ``block`` bytes (whole checksum chunks), and checks the
+    counter again once the writer asks past the last block (the writer has written it by
+    then)."""
 
     def __init__(self, stager: WriteThroughStager, index: int) -> None:
         self._stager, self._index = stager, index
+
+    @property
+    def address(self) -> int | None:
+        """Where the bytes lie (a contiguous tensor's own memory), for the file's layout."""
+        src = self._stager.sources[self._index]
+        return src.data_ptr() if src.is_contiguous() and src.device.type == "cpu" else None
 
     def __call__(self) -> memoryview:
         raise StagingError("a piece written through from its live tensor is read in parts only; "
                            f"this save path cannot use it: set {SETTING}=0")
 
-    def parts(self) -> Iterator[memoryview]:
+    def parts(self, block: int) -> Iterator[memoryview]:
         stager, i = self._stager, self._index
         if stager._cancelled.is_set():
             raise StagingError("this save stopped before writing its tensors; nothing from it is committed")
@@ -134,7 +138,7 @@ class LivePiece:
             # A non-contiguous view is copied here, on the writer thread: that copy is then
             # this piece's snapshot, taken before the piece counts as written.
             data = memoryview(src.contiguous().reshape(-1).view(torch.uint8).numpy())
-            for start in range(0, len(data), stager._block):
-                yield data[start : start + stager._block]
+            for start in range(0, len(data), block):
+                yield data[start : start + block]
         stager._check_unchanged(i)  # a write while the piece went out
         stager._written()

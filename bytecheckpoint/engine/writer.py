@@ -38,6 +38,22 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
+class TensorSource:
+    """A writer's source for a tensor written as it is (a synchronous save): its bytes, and
+    where they lie when that is known up front (a contiguous host tensor)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def __call__(self) -> memoryview:
+        return tensor_bytes(self._tensor)
+
+    @property
+    def address(self) -> int | None:
+        t = self._tensor
+        return t.data_ptr() if t.device.type == "cpu" and t.is_contiguous() and t.numel() else None
+
+
 def entry_name(item: WriteItem) -> str:
     return f"{item.key}@{','.join(map(str, item.box.offsets))}"
 
@@ -97,7 +113,7 @@ def pieces_by_kind(pairs: list[tuple[Entry, Callable[[], memoryview]]]
     for entry, source in pairs:
         # A source staged through a bounded arena streams its bytes in parts (staging_ring).
         piece = Piece(entry.name, entry.code, entry.shape, entry.nbytes, source,
-                      parts=getattr(source, "parts", None))
+                      parts=getattr(source, "parts", None), address=getattr(source, "address", None))
         by_kind[entry.kind].append((entry, piece))
     return by_kind
 

@@ -6,8 +6,9 @@ I32 where F32 was written would hand those tools wrong numbers while every check
 data still matches. So ``bcp verify``, export and loads that verify compare each header with
 what the metadata says the file holds: the same pieces at the same byte ranges, with the same
 dtype code and shape, and nothing else. From format version 3 a header may also list padding
-entries (``U8`` zeros of fewer than ``DATA_ALIGN`` bytes, in gaps between the pieces), which
-align the pieces for the copies of a load (see ``engine.files``).
+entries (``U8`` zeros in gaps between the pieces: fewer than ``DATA_ALIGN`` bytes in version 3,
+which align the pieces for the copies of a load; fewer than ``DIRECT_PADDING`` from version 4,
+which also place large pieces for direct writes; see ``engine.files``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ from .metadata import CheckpointMetadata
 DATA_ALIGN = 64  # pieces start at multiples of this from the file's start (version 3)
 PADDING_PREFIX = "__padding__/"
 PADDING_SINCE = 3  # the format version that introduced padding entries
+DIRECT_PADDING = 4096  # padding entries are shorter than this from version 4 (storage.direct_io)
+
+
+def padding_limit(version: int) -> int:
+    """Padding entries in a storage file of format ``version`` are shorter than this (0: the
+    version has none)."""
+    if version < PADDING_SINCE:
+        return 0
+    return DATA_ALIGN if version == PADDING_SINCE else DIRECT_PADDING
 
 # absolute start, end, dtype code, shape, entry name(s). The name matters to the tools that read
 # the file by it: two same-shaped entries with swapped names hand them each other's numbers. A
@@ -63,10 +73,10 @@ def expected_entries(meta: CheckpointMetadata, names: set[str]) -> dict[str, lis
 
 
 def header_problem(storage: Storage, path: str, name: str, size: int, expected: list[Entry],
-                   max_header: int, padding: bool = True) -> str | None:
+                   max_header: int, padding: int = DIRECT_PADDING) -> str | None:
     """Why the header of ``path/name`` (``size`` bytes, already checked) disagrees with
-    ``expected``, or None when it lists exactly those entries (and, with ``padding``, padding
-    entries in the gaps between them)."""
+    ``expected``, or None when it lists exactly those entries (and padding entries shorter
+    than ``padding`` bytes in the gaps between them; 0: none allowed, ``padding_limit``)."""
     full = posixpath.join(path, name)
     url = storage.url(full)
     if size < 8:
@@ -83,7 +93,7 @@ def header_problem(storage: Storage, path: str, name: str, size: int, expected: 
     if padding:
         pads = [g for g in got if g[4][0].startswith(PADDING_PREFIX)]
         got = [g for g in got if not g[4][0].startswith(PADDING_PREFIX)]
-        problem = _padding_problem(pads, want)
+        problem = _padding_problem(pads, want, padding)
         if problem is not None:
             return f"{url}: {problem} (the header was altered)"
     if len(got) != len(want):
@@ -105,13 +115,13 @@ def header_problem(storage: Storage, path: str, name: str, size: int, expected: 
 
 
 
-def _padding_problem(pads: list[Entry], want: list[Entry]) -> str | None:
-    """A padding entry is U8 zeros of 1 to ``DATA_ALIGN - 1`` bytes that overlaps no piece
-    (the zeros themselves are not read: they are no piece's bytes)."""
+def _padding_problem(pads: list[Entry], want: list[Entry], limit: int) -> str | None:
+    """A padding entry is U8 zeros of 1 to ``limit - 1`` bytes that overlaps no piece (the
+    zeros themselves are not read: they are no piece's bytes)."""
     for start, end, code, shape, names in pads:
-        if code != "U8" or shape != (end - start,) or not 0 < end - start < DATA_ALIGN:
+        if code != "U8" or shape != (end - start,) or not 0 < end - start < limit:
             return (f"its padding entry {names[0]!r} is {code} {list(shape)} at {start}..{end}, "
-                    f"not U8 of 1-{DATA_ALIGN - 1} bytes")
+                    f"not U8 of 1-{limit - 1} bytes")
     spans = sorted([(s, e) for s, e, *_ in want if e > s] + [(s, e) for s, e, *_ in pads])
     for (_, end), (start, _) in zip(spans, spans[1:]):
         if start < end:

@@ -31,7 +31,8 @@ from .dtypes import DTYPE_NAMES, itemsize
 FORMAT_NAME = "bytecheckpoint"
 # 1: the msgpack document alone. 2: the document behind MAGIC and its xxh3-128 digest.
 # 3: storage files may hold padding entries that align the pieces (format.file_headers).
-FORMAT_VERSION = 3
+# 4: padding entries may be up to 4095 bytes, placing large pieces for direct writes.
+FORMAT_VERSION = 4
 METADATA_FILE = "metadata.msgpack"
 MAGIC = b"BCPMETA\x00"
 _ENVELOPE = len(MAGIC) + 16

@@ -12,7 +12,7 @@ import enum
 import logging
 import posixpath
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..errors import NotARegularFileError
 
@@ -33,6 +33,12 @@ class CommitMode(str, enum.Enum):
 
 class Writer(abc.ABC):
     """A file being written. Bytes become durable only after :meth:`commit`."""
+
+    # What a write must look like to go to the disk straight from the caller's memory
+    # (``direct_io.Alignment``: a buffer whose address is congruent to its file offset), or None
+    # where every write is copied; ``direct_bytes`` counts the bytes written so.
+    direct_alignment: Any = None
+    direct_bytes: int = 0
 
     @abc.abstractmethod
     def write(self, data: memoryview | bytes) -> None: ...

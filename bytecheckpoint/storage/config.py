@@ -9,6 +9,7 @@ the names of settings: credentials stay in :class:`S3Settings` fields that ``rep
     threads = 4
     write_behind_bytes = 67108864   # 0: leave writeback to the kernel until fsync
     drop_behind = true      # BCP_STORAGE_DROP_BEHIND: recycle page-cache pages
+    direct_writes = true    # BCP_STORAGE_DIRECT_WRITES: large writes skip the page cache
     [retry]                 # BCP_STORAGE_RETRY_ATTEMPTS, _BASE_S, _MAX_S, _DEADLINE_S
     attempts = 6
     [s3]                    # BCP_S3_ENDPOINT or AWS_ENDPOINT_URL; AWS_ACCESS_KEY_ID, ...
@@ -45,12 +46,17 @@ class TransferSettings:
 
     ``drop_behind``: pages of a local file already written back (or read) are dropped from
     the page cache as the transfer goes on, so it runs through a small reused window instead
-    of allocating new cache pages for every byte (see ``writeback``)."""
+    of allocating new cache pages for every byte (see ``writeback``).
+
+    ``direct_writes``: the aligned middle of a large write to a local file goes to the disk
+    straight from the caller's memory (``O_DIRECT``) where the file system says how (see
+    ``direct_io``), with no copy into the page cache."""
 
     part_bytes: int = 64 << 20
     threads: int = 4
     write_behind_bytes: int = 64 << 20
     drop_behind: bool = True
+    direct_writes: bool = True
 
     @property
     def parallel(self) -> bool:
@@ -159,6 +165,9 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
         drop_behind=_flag("BCP_STORAGE_DROP_BEHIND / [transfer].drop_behind",
                           pick("transfer", "drop_behind", "BCP_STORAGE_DROP_BEHIND"),
                           d_transfer.drop_behind),
+        direct_writes=_flag("BCP_STORAGE_DIRECT_WRITES / [transfer].direct_writes",
+                            pick("transfer", "direct_writes", "BCP_STORAGE_DIRECT_WRITES"),
+                            d_transfer.direct_writes),
     )
     retry = RetrySettings(
         attempts=pick("retry", "attempts", "BCP_STORAGE_RETRY_ATTEMPTS", int) or d_retry.attempts,
@@ -182,7 +191,7 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
 
 _ENV_NAMES = (
     CONFIG_ENV, "BCP_STORAGE_PART_BYTES", "BCP_STORAGE_THREADS", "BCP_STORAGE_WRITE_BEHIND_BYTES",
-    "BCP_STORAGE_DROP_BEHIND", "BCP_STORAGE_RETRY_ATTEMPTS",
+    "BCP_STORAGE_DROP_BEHIND", "BCP_STORAGE_DIRECT_WRITES", "BCP_STORAGE_RETRY_ATTEMPTS",
     "BCP_STORAGE_RETRY_BASE_S", "BCP_STORAGE_RETRY_MAX_S", "BCP_STORAGE_RETRY_DEADLINE_S",
     "BCP_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "BCP_HDFS_URL",

@@ -3,7 +3,8 @@
 Large reads are split into parts read concurrently with ``os.preadv``; a large buffer handed
 to a writer is split into parts written concurrently with ``os.pwritev`` at their offsets
 (part size and thread count from :mod:`.config`). Large transfers run through a small,
-recycled part of the page cache (``writeback``; ``BCP_STORAGE_DROP_BEHIND``).
+recycled part of the page cache (``writeback``; ``BCP_STORAGE_DROP_BEHIND``), and the aligned
+middle of a large write skips it (``direct_io``; ``BCP_STORAGE_DIRECT_WRITES``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import stat
 from collections.abc import Iterator
 
 from ..errors import NotARegularFileError
-from . import parallel
+from . import direct_io, parallel
 from .base import CommitMode, Storage, Writer
 from .config import TransferSettings, settings
 from .writeback import WriteBehind, drop_pages
@@ -158,7 +159,8 @@ def _open_regular(path: str) -> int:
 
 
 class _LocalWriter(Writer):
-    def __init__(self, path: str, fsync: bool, transfer: TransferSettings) -> None:
+    def __init__(self, path: str, fsync: bool, transfer: TransferSettings,
+                 page_cache_is_copy: bool = True) -> None:
         self._path = path
         self._fsync = fsync
         self._transfer = transfer
@@ -173,32 +175,91 @@ class _LocalWriter(Writer):
         # Without fsync nothing waits for the disk, so there is nothing to overlap.
         self._behind = WriteBehind(self._fd, transfer.write_behind_bytes if fsync else 0,
                                    drop=transfer.drop_behind)
+        # Direct writes: what the file needs (None: none), and their descriptor, opened at the
+        # first write that can use it.
+        self.direct_alignment = (direct_io.alignment(self._fd)
+                                 if transfer.direct_writes and page_cache_is_copy else None)
+        self._direct_fd: int | None = None
+        self.direct_bytes = 0  # written direct so far
 
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
-        # Positional writes at fixed offsets: a failed call can be repeated as a whole.
-        parts = parallel.split(self._size, len(mv), self._transfer.part_bytes)
         base = self._size
+        span = self._direct_span(mv, base)
+        if span is None:
+            self._write_buffered(mv, base)
+        else:
+            lo, hi = span
+            self._write_buffered(mv[:lo], base)
+            self._write_direct(mv[lo:hi], base + lo)
+            self._write_buffered(mv[hi:], base + hi)
+        self._size += len(mv)
+        self._behind.advance(self._size)
+
+    def _direct_span(self, mv: memoryview, base: int) -> tuple[int, int] | None:
+        align = self.direct_alignment
+        if align is None or len(mv) < direct_io.MIN_DIRECT_BYTES:
+            return None
+        span = direct_io.direct_span(mv, base, align)
+        if span is not None and self._direct_fd is None:
+            self._direct_fd = direct_io.open_direct(self._fd)
+            if self._direct_fd is None:
+                self.direct_alignment = None
+                return None
+        return span
+
+    def _write_buffered(self, mv: memoryview, base: int) -> None:
+        if not len(mv):
+            return
+        # Positional writes at fixed offsets: a failed call can be repeated as a whole.
+        parts = parallel.split(base, len(mv), self._transfer.part_bytes)
         parallel.run_parts(
             [lambda o=o, n=n: _pwrite_all(self._fd, mv[o - base : o - base + n], o) for o, n in parts],
             self._transfer,
         )
-        self._size += len(mv)
-        self._behind.advance(self._size)
+
+    def _write_direct(self, mv: memoryview, base: int) -> None:
+        """Write ``mv`` (page-aligned in the file, its address aligned) at ``base`` direct; a
+        file that refuses gets it through the page cache, and no more direct writes."""
+        fd = self._direct_fd
+        assert fd is not None
+        parts = parallel.split(base, len(mv), self._transfer.part_bytes)
+        try:
+            parallel.run_parts(
+                [lambda o=o, n=n: _pwrite_all(fd, mv[o - base : o - base + n], o) for o, n in parts],
+                self._transfer,
+            )
+        except OSError as exc:
+            if not direct_io.refused(exc):
+                raise
+            self.direct_alignment = None  # a refused call wrote nothing: write it all again
+            self._write_buffered(mv, base)
+            return
+        self.direct_bytes += len(mv)
 
     def commit(self) -> int:
         try:
             self._behind.check()
             if self._fsync:
+                # Also what makes the direct writes durable: it flushes the disk's own cache
+                # and the file's new size and extents.
                 os.fsync(self._fd)
                 self._behind.finish()
         finally:
-            os.close(self._fd)
+            self._close()
         return self._size
+
+    def _close(self) -> None:
+        try:
+            if self._direct_fd is not None:
+                os.close(self._direct_fd)
+                self._direct_fd = None
+        finally:
+            os.close(self._fd)
 
     def abort(self) -> None:
         try:
-            os.close(self._fd)
+            self._close()
         finally:
             try:
                 st = os.lstat(self._path)
@@ -227,7 +288,7 @@ class LocalStorage(Storage):
         return path
 
     def open_writer(self, path: str) -> Writer:
-        return _LocalWriter(self._os_path(path), self.fsync, self.transfer)
+        return _LocalWriter(self._os_path(path), self.fsync, self.transfer, self.page_cache_is_copy)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         path = self._os_path(path)

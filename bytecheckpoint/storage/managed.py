@@ -20,7 +20,7 @@ import errno
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from telemetry import span
 
@@ -149,13 +149,22 @@ class _ManagedWriter(Writer):
         self._bytes = 0
         self._inner = storage._call("open_writer", path, lambda: storage.inner.open_writer(path))
 
+    @property
+    def direct_alignment(self) -> Any:  # type: ignore[override]
+        return self._inner.direct_alignment
+
+    @property
+    def direct_bytes(self) -> int:  # type: ignore[override]
+        return self._inner.direct_bytes
+
     def write(self, data: memoryview | bytes) -> None:
         n = memoryview(data).nbytes
         self._storage._call("write", self._path, lambda: self._inner.write(data), nbytes=n)
         self._bytes += n
 
     def commit(self) -> int:
-        extra = {"file_bytes": self._bytes, "file_s": round(time.perf_counter() - self._started, 6)}
+        extra = {"file_bytes": self._bytes, "file_s": round(time.perf_counter() - self._started, 6),
+                 "direct_bytes": self._inner.direct_bytes}
         return self._storage._call("commit", self._path, self._inner.commit, extra=extra)
 
     def abort(self) -> None:

@@ -363,8 +363,8 @@ def test_contiguous_runs_join_back_to_back_units_of_one_file_up_to_a_limit():
         return ReadUnit(file, box_offset, stop, start, stop, 0, ())
 
     units = list(enumerate([unit(0, 0, 0, 100), unit(0, 100, 0, 100), unit(0, 200, 0, 50),
-                            unit(0, 250 + 63, 0, 10),  # behind padding (at most 63 bytes)
-                            unit(0, 323 + 64, 0, 10),  # a gap of 64: no padding, another read
+                            unit(0, 250 + 4095, 0, 10),  # behind padding (at most 4095 bytes)
+                            unit(0, 4355 + 4096, 0, 10),  # a gap of 4096: no padding, another read
                             unit(1, 310, 0, 10),  # another file
                             unit(1, 320, 0, 500),  # over the limit with its neighbour
                             unit(1, 820, 0, 10)]))

@@ -142,4 +142,4 @@ def test_resaving_a_format_1_checkpoint_writes_the_current_format(tmp_path):
     bcp.save(str(tmp_path / "again"), {"model": model, "optimizer": optim, "extra_state": extra})
     with open(tmp_path / "again" / "metadata.msgpack", "rb") as f:
         assert f.read(8) == b"BCPMETA\x00"
-    assert read_doc(str(tmp_path / "again"))["version"] == FORMAT_VERSION == 3
+    assert read_doc(str(tmp_path / "again"))["version"] == FORMAT_VERSION == 4

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import bytecheckpoint as bcp
 from bytecheckpoint.errors import CorruptCheckpointError
 from bytecheckpoint.format.file_headers import DATA_ALIGN, PADDING_PREFIX
+from bytecheckpoint.format.metadata import FORMAT_VERSION
 from tests.fuzz import seal
 from tests.support import workloads as w
 from tests.support.helpers import assert_same_state
@@ -96,7 +97,7 @@ def test_padding_in_a_checkpoint_that_says_format_2_is_an_unexpected_entry(saved
     meta_file = os.path.join(path, "metadata.msgpack")
     with open(meta_file, "rb") as fh:
         doc = seal.decode_doc(fh.read())
-    assert doc["version"] == 3
+    assert doc["version"] == FORMAT_VERSION
     doc["version"] = 2
     with open(meta_file, "wb") as fh:
         fh.write(seal.encode_doc(doc))
@@ -166,7 +167,7 @@ def test_any_sizes_give_a_valid_safetensors_file_with_large_pieces_aligned(tmp_p
     assert header_problem(storage, directory, name, size, expected, 1 << 20) is None
     padded = any(k.startswith(PADDING_PREFIX) for k in keys)
     # as a version 2 file (no padding allowed), exactly the padded files fail
-    as_v2 = header_problem(storage, directory, name, size, expected, 1 << 20, padding=False)
+    as_v2 = header_problem(storage, directory, name, size, expected, 1 << 20, padding=0)
     assert (as_v2 is None) != padded
 
 
@@ -182,5 +183,5 @@ def test_a_hole_longer_than_any_padding_is_reported_without_reading_it():
             raise AssertionError(f"read {length} bytes at {offset}")
 
     pieces = [ByteMeta("f", 0, 64, ()), ByteMeta("f", 64 + (1 << 40), 64, ())]
-    problems = _padding_problems(NoReads(), "ckpt", pieces, set())
+    problems = _padding_problems(NoReads(), "ckpt", pieces, set(), 4096)
     assert len(problems) == 1 and "longer than any padding" in problems[0].message
