@@ -5,7 +5,8 @@
 ``tests/fixtures/format_v1`` was written by this script at commit 9cf57f0 (format version 1,
 before the metadata had a checksum of its own), ``tests/fixtures/format_v2`` at b1aed9c (the
 last commit before the package moved into layers), ``tests/fixtures/format_v3`` when storage
-files gained padding entries that align their pieces; ``tests/unit/test_load_coverage.py`` checks
+files gained padding entries that align their pieces, ``tests/fixtures/format_v4`` when large
+pieces were placed for direct writes; ``tests/unit/test_load_coverage.py`` checks
 that every later release still loads them bit-exactly. Run it again into a new directory when the
 format version changes, and keep the old fixtures.
 

@@ -104,12 +104,14 @@ def test_a_good_checkpoint_still_fills_every_element(ckpt):
 
 
 @pytest.mark.parametrize("fixture, checksummed", [("format_v1", False), ("format_v2", True),
-                                                   ("format_v3", True)])
+                                                   ("format_v3", True), ("format_v4", True)])
 def test_checkpoints_of_earlier_releases_still_load(tmp_path, fixture, checksummed):
     """Fixtures written by ``tests/support/make_format_fixture.py``: ``format_v1`` at 9cf57f0,
     the release before metadata checksums; ``format_v2`` at b1aed9c, the last commit before the
     package moved into layers (``tests/make_format_fixture.py`` then); ``format_v3``, the first
-    with padding entries that align the pieces. Each loads bit-exactly and verifies clean."""
+    with padding entries that align the pieces; ``format_v4``, the first to place large pieces
+    for direct writes (its header padded to the direct alignment; its pieces are too small to
+    be placed). Each loads bit-exactly and verifies clean."""
     src = os.path.join(FIXTURES, fixture)
     root = str(tmp_path / fixture)
     shutil.copytree(src, root)
