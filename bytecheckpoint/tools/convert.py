@@ -108,6 +108,13 @@ def _parts(read: Reader, nbytes: int, block: int, progress: Progress | None) -> 
             progress(len(data))
 
 
+def _reader(read: Reader, nbytes: int, block: int,
+            progress: Progress | None) -> Callable[[int], Iterator[memoryview]]:
+    """A piece's ``parts``: blocks of ``block`` bytes, the converter's memory bound (the writer's
+    block is not used)."""
+    return lambda _writer_block: _parts(read, nbytes, block, progress)
+
+
 def _storage_reader(storage: Storage, path: str, base: int, source: str) -> Reader:
     def read(off: int, n: int) -> memoryview:
         buf = bytearray(n)
@@ -149,11 +156,11 @@ def write_checkpoint(dst: str, tensors: list[TensorMeta], boxes: list[_Box], obj
                 name = f"{key}@{','.join(map(str, b.offsets))}"
                 code = safetensors_code(tensors[b.tensor].dtype)
                 kinds[kind].append((b, Piece(name, code, b.lengths, b.nbytes, None,
-                                             parts=lambda b=b: _parts(b.read, b.nbytes, block, progress))))
+                                             parts=_reader(b.read, b.nbytes, block, progress))))
             for o in objects:
                 label = f"rank{o.rank}:{o.key}" if o.rank is not None else f"shared:{o.key}"
                 kinds["extra"].append((o, Piece(f"__object__/{label}", "U8", (o.nbytes,), o.nbytes, None,
-                                                parts=lambda o=o: _parts(o.read, o.nbytes, block, progress))))
+                                                parts=_reader(o.read, o.nbytes, block, progress))))
             files: list[FileMeta] = []
             placed: dict[int, tuple[int, Any]] = {}
             for kind, entries in kinds.items():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import bytecheckpoint as bcp
 from bytecheckpoint.engine import host_files
-from bytecheckpoint.engine import save as save_engine
+from bytecheckpoint.engine import writer as writer_module
 from bytecheckpoint.planning import plan_cache
 from bytecheckpoint.storage import faults
 from tests.support import workloads as w
@@ -78,7 +78,7 @@ def save_once(root: str, block: int | None = None, chunk_bytes: int = 4 << 20) -
 def _failing_source(fail_at: int) -> Any:
     """``tensor_bytes`` (where a synchronous save reads a CPU tensor) failing at call
     ``fail_at``: a read error in the middle of a member's stream."""
-    real = save_engine.tensor_bytes
+    real = writer_module.tensor_bytes
     calls = [0]
 
     def source(t: torch.Tensor) -> memoryview:
@@ -113,21 +113,21 @@ def failures(root: str) -> dict[str, Any]:
     bcp.save(f"{root}/good", _state(model, optim, 1), framework="fsdp2", step=1, **HOST)
     out: dict[str, Any] = {"ref": _tensors(w.full_state(model, optim))}
     w.train_step(model, optim, 1, rank)
-    real = save_engine.tensor_bytes
+    real = writer_module.tensor_bytes
     try:
         if rank == 1:
-            save_engine.tensor_bytes = _failing_source(3)  # after two pieces went out
+            writer_module.tensor_bytes = _failing_source(3)  # after two pieces went out
         out["member_mid_stream"] = _attempt(root, "bad1", model, optim)
-        save_engine.tensor_bytes = real
+        writer_module.tensor_bytes = real
         if rank == 3:
-            save_engine.tensor_bytes = _failing_source(1)  # its very first piece
+            writer_module.tensor_bytes = _failing_source(1)  # its very first piece
         out["member_first_piece"] = _attempt(root, "bad2", model, optim)
-        save_engine.tensor_bytes = real
+        writer_module.tensor_bytes = real
         # Host 1's leader cannot write its model file (a permanent storage error).
         faults.install("fail_every=1;ops=write;path=model-h00001;permanent=1;ranks=2")
         out["leader_write"] = _attempt(root, "bad3", model, optim)
     finally:
-        save_engine.tensor_bytes = real
+        writer_module.tensor_bytes = real
         faults.install(None)
     result = bcp.save(f"{root}/after", _state(model, optim, 2), framework="fsdp2", step=2, **HOST)
     out["after_files"] = result.files

@@ -258,20 +258,28 @@ def test_saves_write_direct_and_load_bit_exact(tmp_path, kw):
     """Synchronous, staged and overlapped saves of large host tensors write them direct, and
     each file's storage.commit event says how much."""
     import telemetry
+    from telemetry import config
+    from telemetry.context import reset_context
+    from telemetry.emitter import DEFAULT_QUEUE_SIZE
     from telemetry.sinks import read_spool
 
     _direct_capable(str(tmp_path))
+    reset_context()
+    telemetry.configure(spool_dir=tmp_path / "spool", enabled=True, queue_size=DEFAULT_QUEUE_SIZE)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 333))
     optim = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 1024)).sum().backward()
     optim.step()
-    result = bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim}, **kw)
-    if kw:
-        result.wait()
-    telemetry.flush()
-    commits = [e for e in read_spool(os.environ["BCP_TELEMETRY_DIR"])
-               if e["name"] == "storage.commit" and str(tmp_path) in (e.get("path") or "")]
+    try:
+        result = bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim}, **kw)
+        if kw:
+            result.wait()
+        telemetry.flush()
+    finally:
+        config.reset()
+        reset_context()
+    commits = [e for e in read_spool(tmp_path / "spool") if e["name"] == "storage.commit"]
     direct = sum(e["attrs"]["direct_bytes"] for e in commits)
     # 4 MiB weight + its 2 Adam moments, 1.3 MiB weight + 2 moments: all but heads and tails
     assert 3 * (4 + 1.3) * MiB - 6 * 2 * 4096 <= direct <= sum(e["attrs"]["file_bytes"] for e in commits)
