@@ -253,10 +253,16 @@ def test_a_version_3_checkpoint_with_long_padding_is_refused_by_name(tmp_path):
         bcp.load(path, {"model": torch.nn.Linear(512, 1024)})
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: writes from the pinned arena")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kw", [{}, {"async_save": True}, {"async_save": True, "snapshot": "overlapped"}])
-def test_saves_write_direct_and_load_bit_exact(tmp_path, kw):
-    """Synchronous, staged and overlapped saves of large host tensors write them direct, and
-    each file's storage.commit event says how much."""
+def test_saves_write_direct_and_load_bit_exact(tmp_path, kw, device):
+    """Synchronous, staged and overlapped saves of large tensors write them direct (host
+    tensors from their own memory, device tensors from the pinned arena), and each file's
+    storage.commit event says how much."""
     import telemetry
     from telemetry import config
     from telemetry.context import reset_context
@@ -267,9 +273,9 @@ def test_saves_write_direct_and_load_bit_exact(tmp_path, kw):
     reset_context()
     telemetry.configure(spool_dir=tmp_path / "spool", enabled=True, queue_size=DEFAULT_QUEUE_SIZE)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 333))
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 333)).to(device)
     optim = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 1024)).sum().backward()
+    model(torch.randn(2, 1024, device=device)).sum().backward()
     optim.step()
     try:
         result = bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim}, **kw)
@@ -283,9 +289,9 @@ def test_saves_write_direct_and_load_bit_exact(tmp_path, kw):
     direct = sum(e["attrs"]["direct_bytes"] for e in commits)
     # 4 MiB weight + its 2 Adam moments, 1.3 MiB weight + 2 moments: all but heads and tails
     assert 3 * (4 + 1.3) * MiB - 6 * 2 * 4096 <= direct <= sum(e["attrs"]["file_bytes"] for e in commits)
-    back = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 333))
+    back = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 333)).to(device)
     back_optim = torch.optim.Adam(back.parameters())
-    back(torch.randn(2, 1024)).sum().backward()
+    back(torch.randn(2, 1024, device=device)).sum().backward()
     back_optim.step()
     bcp.load(str(tmp_path / "c"), {"model": back, "optimizer": back_optim})
     for a, b in zip(model.state_dict().values(), back.state_dict().values()):

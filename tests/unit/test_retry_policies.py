@@ -100,8 +100,10 @@ def test_kafka_sink_spaces_reconnects_exponentially_and_resets_after_success(tmp
     sink.emit([dict(EVENT)])
     assert sink.stats()["sent"] > 0 and sink.stats()["pending_bytes"] == 0
     up["now"] = False
-    sink.emit([dict(EVENT)])  # the send fails: the broker is marked down
+    # Read the clock before the failing send: the failure (and the backoff's start) comes
+    # after it, so the retry can be no earlier than 0.1 s past this time.
     failed_at, before = time.monotonic(), len(tries)
+    sink.emit([dict(EVENT)])  # the send fails: the broker is marked down
     emit_for(0.6)
     assert len(tries) > before, "it reconnects"
     # 0.1 s again, not the 0.3 s cap reached before: under 0.3 s tells the two apart
