@@ -5,10 +5,13 @@ holds exactly the bytes written, and a file that refuses direct writes gets them
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import struct
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,6 +173,28 @@ def test_the_setting_and_tmpfs_turn_direct_writes_off(tmp_path, monkeypatch):
         assert writer.direct_bytes == 0
 
 
+@contextlib.contextmanager
+def _spooled(spool: Path) -> Iterator[list[dict]]:
+    """Telemetry into ``spool`` for the block; the list fills with its ``storage.commit``
+    events when the block ends."""
+    import telemetry
+    from telemetry import config
+    from telemetry.context import reset_context
+    from telemetry.emitter import DEFAULT_QUEUE_SIZE
+    from telemetry.sinks import read_spool
+
+    reset_context()
+    telemetry.configure(spool_dir=spool, enabled=True, queue_size=DEFAULT_QUEUE_SIZE)
+    commits: list[dict] = []
+    try:
+        yield commits
+        telemetry.flush()
+    finally:
+        config.reset()
+        reset_context()
+    commits += [e for e in read_spool(spool) if e["name"] == "storage.commit"]
+
+
 def _header(path: str) -> tuple[int, dict]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -263,29 +288,16 @@ def test_saves_write_direct_and_load_bit_exact(tmp_path, kw, device):
     """Synchronous, staged and overlapped saves of large tensors write them direct (host
     tensors from their own memory, device tensors from the pinned arena), and each file's
     storage.commit event says how much."""
-    import telemetry
-    from telemetry import config
-    from telemetry.context import reset_context
-    from telemetry.emitter import DEFAULT_QUEUE_SIZE
-    from telemetry.sinks import read_spool
-
     _direct_capable(str(tmp_path))
-    reset_context()
-    telemetry.configure(spool_dir=tmp_path / "spool", enabled=True, queue_size=DEFAULT_QUEUE_SIZE)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 333)).to(device)
     optim = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 1024, device=device)).sum().backward()
     optim.step()
-    try:
+    with _spooled(tmp_path / "spool") as commits:
         result = bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim}, **kw)
         if kw:
             result.wait()
-        telemetry.flush()
-    finally:
-        config.reset()
-        reset_context()
-    commits = [e for e in read_spool(tmp_path / "spool") if e["name"] == "storage.commit"]
     direct = sum(e["attrs"]["direct_bytes"] for e in commits)
     # 4 MiB weight + its 2 Adam moments, 1.3 MiB weight + 2 moments: all but heads and tails
     assert 3 * (4 + 1.3) * MiB - 6 * 2 * 4096 <= direct <= sum(e["attrs"]["file_bytes"] for e in commits)
@@ -300,3 +312,53 @@ def test_saves_write_direct_and_load_bit_exact(tmp_path, kw, device):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optim.state[p][k], back_optim.state[q][k])
     assert bcp.verify(str(tmp_path / "c")) == []
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.01])
+def test_the_optimizer_step_on_the_next_line_waits_for_direct_writes(tmp_path, latency):
+    """The overlapped contract with direct writes: the step right after save() waits until the
+    disk has every piece (the write is the snapshot), so the checkpoint is the state at save()
+    bit for bit, though the step changes every tensor; with each write call slowed down, too."""
+    from bytecheckpoint.engine import staging
+    from bytecheckpoint.storage import faults
+
+    _direct_capable(str(tmp_path))
+    staging.release_pools()
+    torch.manual_seed(1)
+    model = torch.nn.Module()
+    for i, n in enumerate([700_000, 5, 900_001, 600_000]):  # 2.8, 3.6 and 2.4 MB: placed, written direct
+        model.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(n)))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    ref = {**{k: v.clone() for k, v in model.state_dict().items()},
+           **{f"{i}.{k}": v.clone() for i, p in enumerate(model.parameters())
+              for k, v in optim.state[p].items()}}
+    faults.install(f"latency_s={latency};ops=write;path={tmp_path}" if latency else None)
+    try:
+        with _spooled(tmp_path / "spool") as commits:
+            handle = bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim}, async_save=True,
+                              snapshot="overlapped")
+            optim.step()  # on the next line: must wait for the direct writes
+            result = handle.wait(timeout=60)
+    finally:
+        faults.install(None)
+    assert result.staging_bytes == 0  # written through, from the live tensors
+    # the three large parameters and their two moments each (float32), less under a page at
+    # each end of each of the 9 pieces
+    direct = sum(e["attrs"]["direct_bytes"] for e in commits)
+    assert direct >= 3 * 4 * (700_000 + 900_001 + 600_000) - 9 * 2 * 4096
+    assert not torch.equal(model.p0, ref["p0"])  # the step did change the state
+    back = torch.nn.Module()
+    for i, n in enumerate([700_000, 5, 900_001, 600_000]):
+        back.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(n)))
+    back_optim = torch.optim.AdamW(back.parameters(), lr=0.1)
+    for p in back.parameters():
+        p.grad = torch.ones_like(p)
+    back_optim.step()
+    bcp.load(str(tmp_path / "c"), {"model": back, "optimizer": back_optim})
+    got = {**back.state_dict(), **{f"{i}.{k}": v for i, p in enumerate(back.parameters())
+                                   for k, v in back_optim.state[p].items()}}
+    assert sorted(got) == sorted(ref)
+    assert [k for k in ref if not torch.equal(ref[k], got[k])] == []
