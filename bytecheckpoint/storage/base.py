@@ -52,6 +52,21 @@ class Writer(abc.ABC):
         """Close and discard what was written."""
 
 
+class WrappedWriter(Writer):
+    """A writer around another (``_inner``) that reports the inner one's direct writes: what a
+    wrapper adds (faults, retries, events) never changes where the bytes go."""
+
+    _inner: Writer
+
+    @property
+    def direct_alignment(self) -> Any:  # type: ignore[override]
+        return self._inner.direct_alignment
+
+    @property
+    def direct_bytes(self) -> int:  # type: ignore[override]
+        return self._inner.direct_bytes
+
+
 def abort_quietly(writer: Writer) -> None:
     """Abort ``writer`` after a failure without hiding that failure behind the abort's own."""
     try:

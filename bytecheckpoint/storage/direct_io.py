@@ -20,15 +20,15 @@ and ends direct writes for that file: nothing depends on them but speed.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import os
 import struct
-import sys
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import libc
 
 _AT_EMPTY_PATH = 0x1000
 _STATX_DIOALIGN = 0x2000
@@ -61,16 +61,9 @@ class Alignment:
 
 @functools.lru_cache(maxsize=1)
 def _statx() -> object | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.statx
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
-    fn.restype = ctypes.c_int
-    return fn
+    # statx(dirfd, path, flags, mask, struct statx *)
+    args = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
+    return libc.function("statx", args, ctypes.c_int)
 
 
 def alignment(fd: int) -> Alignment | None:

@@ -30,10 +30,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..errors import PermanentStorageError, TransientStorageError
-from .base import Storage, Writer
+from .base import Storage, WrappedWriter, Writer
 from .wrapper import StorageWrapper
 
 T = TypeVar("T")
@@ -160,18 +160,10 @@ def active() -> _Injector | None:
         return injector
 
 
-class _FaultyWriter(Writer):
+class _FaultyWriter(WrappedWriter):
     def __init__(self, inner: Writer, injector: _Injector, path: str) -> None:
         self._inner, self._injector, self._path = inner, injector, path
         self._held = b""  # the tail a truncating fault keeps back
-
-    @property
-    def direct_alignment(self) -> Any:  # type: ignore[override]
-        return self._inner.direct_alignment
-
-    @property
-    def direct_bytes(self) -> int:  # type: ignore[override]
-        return self._inner.direct_bytes
 
     def write(self, data: memoryview | bytes) -> None:
         self._injector.before("write", self._path)

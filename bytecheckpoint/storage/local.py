@@ -197,10 +197,9 @@ class _LocalWriter(Writer):
         self._behind.advance(self._size)
 
     def _direct_span(self, mv: memoryview, base: int) -> tuple[int, int] | None:
-        align = self.direct_alignment
-        if align is None or len(mv) < direct_io.MIN_DIRECT_BYTES:
+        if self.direct_alignment is None:
             return None
-        span = direct_io.direct_span(mv, base, align)
+        span = direct_io.direct_span(mv, base, self.direct_alignment)
         if span is not None and self._direct_fd is None:
             self._direct_fd = direct_io.open_direct(self._fd)
             if self._direct_fd is None:
@@ -208,27 +207,24 @@ class _LocalWriter(Writer):
                 return None
         return span
 
-    def _write_buffered(self, mv: memoryview, base: int) -> None:
-        if not len(mv):
-            return
+    def _write_parts(self, fd: int, mv: memoryview, base: int) -> None:
         # Positional writes at fixed offsets: a failed call can be repeated as a whole.
         parts = parallel.split(base, len(mv), self._transfer.part_bytes)
         parallel.run_parts(
-            [lambda o=o, n=n: _pwrite_all(self._fd, mv[o - base : o - base + n], o) for o, n in parts],
+            [lambda o=o, n=n: _pwrite_all(fd, mv[o - base : o - base + n], o) for o, n in parts],
             self._transfer,
         )
+
+    def _write_buffered(self, mv: memoryview, base: int) -> None:
+        if len(mv):
+            self._write_parts(self._fd, mv, base)
 
     def _write_direct(self, mv: memoryview, base: int) -> None:
         """Write ``mv`` (page-aligned in the file, its address aligned) at ``base`` direct; a
         file that refuses gets it through the page cache, and no more direct writes."""
-        fd = self._direct_fd
-        assert fd is not None
-        parts = parallel.split(base, len(mv), self._transfer.part_bytes)
+        assert self._direct_fd is not None
         try:
-            parallel.run_parts(
-                [lambda o=o, n=n: _pwrite_all(fd, mv[o - base : o - base + n], o) for o, n in parts],
-                self._transfer,
-            )
+            self._write_parts(self._direct_fd, mv, base)
         except OSError as exc:
             if not direct_io.refused(exc):
                 raise

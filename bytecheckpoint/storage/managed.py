@@ -20,13 +20,13 @@ import errno
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from telemetry import span
 
 from ..errors import StorageError, StorageIOError, TransientStorageError
 from . import retry
-from .base import Storage, Writer
+from .base import Storage, WrappedWriter, Writer
 from .config import RetrySettings
 from .redact import redact
 from .wrapper import StorageWrapper
@@ -136,7 +136,7 @@ class ManagedStorage(StorageWrapper):
         return _ManagedWriter(self, path)
 
 
-class _ManagedWriter(Writer):
+class _ManagedWriter(WrappedWriter):
     """Retries each call (writers fail atomically per call); each call is one event.
 
     ``storage.write`` events carry the bytes of that call, so their sum over a file is its
@@ -148,14 +148,6 @@ class _ManagedWriter(Writer):
         self._started = time.perf_counter()
         self._bytes = 0
         self._inner = storage._call("open_writer", path, lambda: storage.inner.open_writer(path))
-
-    @property
-    def direct_alignment(self) -> Any:  # type: ignore[override]
-        return self._inner.direct_alignment
-
-    @property
-    def direct_bytes(self) -> int:  # type: ignore[override]
-        return self._inner.direct_bytes
 
     def write(self, data: memoryview | bytes) -> None:
         n = memoryview(data).nbytes

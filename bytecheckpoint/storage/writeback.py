@@ -17,11 +17,11 @@ drop what they have consumed for the same reason. Where the calls do not exist (
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import os
-import sys
+
+from . import libc
 
 SYNC_FILE_RANGE_WAIT_BEFORE = 1
 SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
@@ -33,16 +33,8 @@ _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP}
 
 @functools.lru_cache(maxsize=1)
 def _sync_file_range() -> object | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    return libc.function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
+                         ctypes.c_int)
 
 
 def available() -> bool:
