@@ -166,6 +166,7 @@ def test_the_setting_and_tmpfs_turn_direct_writes_off(tmp_path, monkeypatch):
     if os.path.isdir("/dev/shm"):
         shm = SharedMemoryStorage()
         name = f"bcp-direct-{os.getpid()}"
+        shm.makedirs("")  # its root: on a fresh machine no earlier test has made it
         writer = shm.open_writer(name)
         writer.write(_buffer(2 * MiB, 0, 0))
         writer.commit()
