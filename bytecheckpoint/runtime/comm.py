@@ -251,6 +251,14 @@ class Communicator:
         dist.all_gather_object(out, outcome, group=self.group)
         return out
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
     # -- point to point (group ranks), for the tree and for host files ----------------------
     def send_object(self, obj: Any, to: int) -> None:
         """Send a picklable value to group rank ``to`` (which calls ``recv_object``)."""
@@ -321,7 +329,11 @@ class Communicator:
         return outcome if node.parent is None else pickle.loads(raw)
 
     def check_all(self, local_error: BaseException | None, what: str) -> None:
-        """Raise on every rank if any rank failed ``what``."""
+        """Raise on every rank if any rank failed ``what``. When none did, that is one small
+        all-reduce; every rank's outcome is gathered (two collectives and pickling: 10 ms of
+        a 0.5 s load on 4 ranks here) only to name the ranks that failed."""
+        if not self.any_rank(local_error is not None):
+            return
         outcomes = self.all_gather(
             Outcome.failure(local_error) if local_error is not None else Outcome(value=True)
         )

@@ -199,6 +199,7 @@ def test_tree_coordination_at_16_processes_matches_flat(sixteen, tmp_path):
     assert flat[0]["gather"] == [(r, "x" * r) for r in range(16)]
     assert [f["scatter"]["to"] for f in flat] == list(range(16))
     assert all(f["all_gather"] == [r * r for r in range(16)] for f in flat)
+    assert all(f["check_all_ok"] == "passed" for f in flat)
     assert all(f["check_all"][0] == "RankFailedError" for f in flat)
     assert flat[0]["check_all"][2] == {7: "ValueError: disk full"}
     # the flat version sends nothing point-to-point; in the tree no rank hears from more

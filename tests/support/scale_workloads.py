@@ -53,6 +53,16 @@ def _collectives(comm: Communicator) -> dict[str, Any]:
     out["scatter"] = comm.scatter(per_rank).value
     out["broadcast"] = comm.broadcast(Outcome(value=("plan", list(range(50)))) if rank == 0 else None).value
     out["all_gather"] = [o.value for o in comm.all_gather(Outcome(value=rank * rank))]
+
+    def no_gather(outcome: Outcome) -> list[Outcome]:
+        raise AssertionError("gathered every outcome although no rank failed")
+
+    comm.all_gather = no_gather  # type: ignore[method-assign]
+    try:
+        comm.check_all(None, "reading")  # no rank failed: one all-reduce, nothing gathered
+        out["check_all_ok"] = "passed"
+    finally:
+        del comm.all_gather
     try:
         comm.check_all(ValueError("disk full") if rank == 7 else None, "writing")
         out["check_all"] = "passed"
