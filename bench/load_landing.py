@@ -34,7 +34,6 @@ import struct
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -44,7 +43,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import MODELS, free_port, gather, max_over_ranks  # noqa: E402
-from bench.load_vs_read_limit import READ_CALL, data_files, drop_cache, make_state  # noqa: E402
+from bench.load_vs_read_limit import READ_CALL, data_files, drop_cache, saved_state  # noqa: E402
 
 MODES = ("read", "read-pieces", "load", "warm-load", "load-one-descriptor")
 
@@ -92,12 +91,7 @@ def worker(rank: int, world: int, port: int, model: str, reps: int, modes: list[
            out: str) -> None:
     import bytecheckpoint as bcp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
-    state = make_state(MODELS[model], seed=0)
-    bcp.save(path, state, framework="fsdp2")
-    dist.barrier()
+    state = saved_state(rank, world, port, model, path)
     files, all_files = own_files(path, rank), data_files(path)
     total = sum(n for _, n in all_files)
     buffers = [np.ones(os.path.getsize(f), np.uint8) for f in files] if "read" in modes else []

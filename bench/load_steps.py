@@ -28,17 +28,15 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import MODELS, free_port, gather  # noqa: E402
-from bench.load_vs_read_limit import data_files, drop_cache, make_state  # noqa: E402
+from bench.load_vs_read_limit import data_files, drop_cache, saved_state  # noqa: E402
 
 
 class Steps:
@@ -81,12 +79,7 @@ def worker(rank: int, world: int, port: int, model: str, reps: int, modes: list[
     from bytecheckpoint.engine import load_pipeline
     from bytecheckpoint.runtime.comm import Communicator
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
-    state = make_state(MODELS[model], seed=0)
-    bcp.save(path, state, framework="fsdp2")
-    dist.barrier()
+    state = saved_state(rank, world, port, model, path)
     steps = Steps()
     for owner, name in [(load_mod, "_open_checkpoint"), (load_mod, "flatten_state"),
                         (load_mod, "_plan_local"), (load_mod, "_prefetch"), (Communicator, "all_gather"),

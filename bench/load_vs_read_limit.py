@@ -227,6 +227,20 @@ def make_state(cfg: GPTConfig, seed: int) -> dict[str, Any]:
     return {"model": model, "optimizer": optim}
 
 
+def saved_state(rank: int, world: int, port: int, model: str, path: str) -> dict[str, Any]:
+    """Join the 4 ranks' gloo group, build the FSDP2 state of ``model`` and save it to
+    ``path``: what the load benchmarks start from."""
+    import bytecheckpoint as bcp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    state = make_state(MODELS[model], seed=0)
+    bcp.save(path, state, framework="fsdp2")
+    dist.barrier()
+    return state
+
+
 def cold_load(state: dict[str, Any], path: str, files: list[tuple[str, int]]) -> dict[str, float]:
     import bytecheckpoint as bcp
 
