@@ -110,10 +110,16 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
     Setting("BCP_STORAGE_DROP_BEHIND", _S3, "1",
             "1: large local reads and writes drop the page-cache pages they are done with; 0: keep "
             "them cached"),
-    Setting("BCP_STORAGE_DIRECT_WRITES", _S3, "1",
-            "1: the aligned middle of a large local write goes to the disk from the caller's memory "
-            "(O_DIRECT, where the file system reports its alignment); 0: everything through the "
-            "page cache"),
+    Setting("BCP_STORAGE_DIRECT_WRITES", _S3, "async",
+            "async: in async saves the aligned middle of a large local write goes to the disk from "
+            "the caller's memory (O_DIRECT, where the file system reports its alignment), sparing "
+            "training the CPU of a page-cache copy, and saves training waits for go through the "
+            "page cache; 1: direct in every save; 0: everything through the page cache"),
+    Setting("BCP_STORAGE_HOST_WRITERS", _S3, "4",
+            "in saves training waits for: large local files written at once to one file system by "
+            "all the processes of a host (the others wait their turn; 0: no limit)"),
+    Setting("BCP_STORAGE_SLOTS_DIR", "bytecheckpoint/storage/write_slots.py", "the temporary directory",
+            "where the host's write-slot lock files live (a directory every process of the host sees)"),
     Setting("BCP_LOAD_THREADS", "bytecheckpoint/engine/load.py",
             "4 / ranks on the host, at most cores / ranks",
             "reader threads per rank during a load (each large read is split again into "

@@ -683,6 +683,11 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
     t0 = time.perf_counter()
     comm = Communicator(opts.process_group, dedicated=True)
     storage, path = open_storage(url)
+    if not opts.async_save:
+        # Training waits for this save, so only its wall time counts, not the CPU that direct
+        # writes spare; an async save's writers keep their share of the disk, so that training
+        # never waits on another rank's turn.
+        storage = storage.for_waited_writes()
     if opts.step is not None:
         set_context(step=opts.step)
     job = _Job(url, storage, path, comm, opts, t0)

@@ -39,6 +39,8 @@ class Writer(abc.ABC):
     # where every write is copied; ``direct_bytes`` counts the bytes written so.
     direct_alignment: Any = None
     direct_bytes: int = 0
+    # Seconds this file waited for a host write slot (``write_slots``) before its bulk went out.
+    slot_wait_s: float = 0.0
 
     @abc.abstractmethod
     def write(self, data: memoryview | bytes) -> None: ...
@@ -65,6 +67,10 @@ class WrappedWriter(Writer):
     @property
     def direct_bytes(self) -> int:  # type: ignore[override]
         return self._inner.direct_bytes
+
+    @property
+    def slot_wait_s(self) -> float:  # type: ignore[override]
+        return self._inner.slot_wait_s
 
 
 def abort_quietly(writer: Writer) -> None:
@@ -130,6 +136,13 @@ class Storage(abc.ABC):
         """Raise :class:`~bytecheckpoint.errors.InvalidStorageURLError` when ``path`` cannot name
         anything on this backend (an S3 path without a bucket); called when a URL is opened, so
         a malformed one fails at once instead of being retried."""
+
+    def for_waited_writes(self) -> Storage:
+        """This storage tuned for writes a caller waits for (a synchronous save), where only
+        the wall time counts: a local disk writes through the page cache unless
+        ``BCP_STORAGE_DIRECT_WRITES=1`` and at most ``BCP_STORAGE_HOST_WRITERS`` large files at
+        once per host. Backends with nothing to tune return themselves."""
+        return self
 
     # -- derived -----------------------------------------------------------------
     def exists(self, path: str) -> bool:

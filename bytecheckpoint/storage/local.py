@@ -9,6 +9,8 @@ middle of a large write skips it (``direct_io``; ``BCP_STORAGE_DIRECT_WRITES``).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import errno
 import os
 import shutil
@@ -16,7 +18,7 @@ import stat
 from collections.abc import Iterator
 
 from ..errors import NotARegularFileError
-from . import direct_io, parallel
+from . import direct_io, parallel, write_slots
 from .base import CommitMode, Storage, Writer
 from .config import TransferSettings, settings
 from .writeback import WriteBehind, drop_pages
@@ -158,9 +160,12 @@ def _open_regular(path: str) -> int:
     return fd
 
 
+SLOT_MIN_BYTES = 8 << 20  # a file that grows past this waits for a host write slot
+
+
 class _LocalWriter(Writer):
     def __init__(self, path: str, fsync: bool, transfer: TransferSettings,
-                 page_cache_is_copy: bool = True) -> None:
+                 page_cache_is_copy: bool = True, host_writers: int = 0) -> None:
         self._path = path
         self._fsync = fsync
         self._transfer = transfer
@@ -181,10 +186,18 @@ class _LocalWriter(Writer):
                                  if transfer.direct_writes and page_cache_is_copy else None)
         self._direct_fd: int | None = None
         self.direct_bytes = 0  # written direct so far
+        # A host-wide write slot (``write_slots``), taken at the first large write: a small
+        # file (metadata, markers) never waits for one.
+        self._slots = host_writers
+        self._slot: write_slots.Slot | None = None
+        self.slot_wait_s = 0.0
 
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
         base = self._size
+        if self._slot is None and self._slots and base + len(mv) > SLOT_MIN_BYTES:
+            self._slot = write_slots.take(self._path, self._slots)
+            self.slot_wait_s = self._slot.waited_s
         span = self._direct_span(mv, base)
         if span is None:
             self._write_buffered(mv, base)
@@ -251,7 +264,11 @@ class _LocalWriter(Writer):
                 os.close(self._direct_fd)
                 self._direct_fd = None
         finally:
-            os.close(self._fd)
+            try:
+                os.close(self._fd)
+            finally:
+                if self._slot is not None:
+                    self._slot.release()  # after the fsync: the disk's work is done
 
     def abort(self) -> None:
         try:
@@ -278,13 +295,24 @@ class LocalStorage(Storage):
         # fsync is what makes a commit survive a power loss; tests may turn it off.
         self.fsync = fsync
         self.transfer = transfer or settings().transfer
+        # Host-wide write slots (``write_slots``): only for writes a caller waits for, where
+        # the disk's throughput is all that counts (``for_waited_writes``); 0: none.
+        self.host_writers = 0
+
+    def for_waited_writes(self) -> Storage:
+        t = self.transfer
+        dup = copy.copy(self)
+        dup.transfer = dataclasses.replace(t, direct_writes=t.direct_writes and t.direct_sync_writes)
+        dup.host_writers = t.host_writers if self.page_cache_is_copy else 0  # tmpfs has no disk
+        return dup
 
     def _os_path(self, path: str) -> str:
         """The operating-system path of ``path`` (subclasses map a namespace onto a root)."""
         return path
 
     def open_writer(self, path: str) -> Writer:
-        return _LocalWriter(self._os_path(path), self.fsync, self.transfer, self.page_cache_is_copy)
+        return _LocalWriter(self._os_path(path), self.fsync, self.transfer, self.page_cache_is_copy,
+                            self.host_writers)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         path = self._os_path(path)

@@ -156,7 +156,8 @@ class _ManagedWriter(WrappedWriter):
 
     def commit(self) -> int:
         extra = {"file_bytes": self._bytes, "file_s": round(time.perf_counter() - self._started, 6),
-                 "direct_bytes": self._inner.direct_bytes}
+                 "direct_bytes": self._inner.direct_bytes,
+                 "slot_wait_s": round(self._inner.slot_wait_s, 6)}
         return self._storage._call("commit", self._path, self._inner.commit, extra=extra)
 
     def abort(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -25,6 +26,14 @@ class StorageWrapper(Storage):
 
     def open_writer(self, path: str) -> Writer:
         return self.inner.open_writer(path)
+
+    def for_waited_writes(self) -> Storage:
+        inner = self.inner.for_waited_writes()
+        if inner is self.inner:
+            return self
+        dup = copy.copy(self)
+        dup.inner = inner
+        return dup
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         return self._call("read_into", path, lambda: self.inner.read_into(path, offset, buffer),

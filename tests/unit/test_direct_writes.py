@@ -247,12 +247,13 @@ def test_large_pieces_land_where_their_memory_lies(tmp_path, pieces_spec):
     assert (as_v3 is None) == all(p < DATA_ALIGN for p in pads)
 
 
-def test_a_version_3_checkpoint_with_long_padding_is_refused_by_name(tmp_path):
+def test_a_version_3_checkpoint_with_long_padding_is_refused_by_name(tmp_path, monkeypatch):
     """Version 3 wrote padding under 64 bytes: a longer one there means the file or the
     metadata was altered, and both verify and a verifying load say so."""
     from tests.fuzz import seal
 
     _direct_capable(str(tmp_path))
+    monkeypatch.setenv("BCP_STORAGE_DIRECT_WRITES", "1")  # a synchronous save placed for direct writes
     model = torch.nn.Linear(512, 1024)
     # The weight's memory 256 bytes past a 512-byte boundary: it is placed there in the file,
     # behind 256 bytes of padding whatever precedes it (the 4 KiB bias or nothing).
@@ -284,12 +285,15 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("kw", [{}, {"async_save": True}, {"async_save": True, "snapshot": "overlapped"}])
-def test_saves_write_direct_and_load_bit_exact(tmp_path, kw, device):
-    """Synchronous, staged and overlapped saves of large tensors write them direct (host
-    tensors from their own memory, device tensors from the pinned arena), and each file's
-    storage.commit event says how much."""
+@pytest.mark.parametrize("kw, setting", [({}, "1"), ({"async_save": True}, None),
+                                         ({"async_save": True, "snapshot": "overlapped"}, None)])
+def test_saves_write_direct_and_load_bit_exact(tmp_path, monkeypatch, kw, setting, device):
+    """Staged and overlapped saves of large tensors write them direct (host tensors from their
+    own memory, device tensors from the pinned arena), and synchronous ones with
+    BCP_STORAGE_DIRECT_WRITES=1; each file's storage.commit event says how much."""
     _direct_capable(str(tmp_path))
+    if setting is not None:
+        monkeypatch.setenv("BCP_STORAGE_DIRECT_WRITES", setting)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 333)).to(device)
     optim = torch.optim.Adam(model.parameters())
@@ -363,3 +367,44 @@ def test_the_optimizer_step_on_the_next_line_waits_for_direct_writes(tmp_path, l
                                    for k, v in back_optim.state[p].items()}}
     assert sorted(got) == sorted(ref)
     assert [k for k in ref if not torch.equal(ref[k], got[k])] == []
+
+
+def test_a_synchronous_save_writes_through_the_page_cache_unless_told(tmp_path, monkeypatch):
+    """BCP_STORAGE_DIRECT_WRITES=async (the default): a save training waits for writes nothing
+    direct, and its commit events say how long each file waited for a host write slot; the
+    checkpoint loads bit for bit."""
+    _direct_capable(str(tmp_path))
+    monkeypatch.setenv("BCP_STORAGE_SLOTS_DIR", str(tmp_path / "slots"))
+    (tmp_path / "slots").mkdir()
+    torch.manual_seed(2)
+    model = torch.nn.Linear(1024, 3000)  # 12 MiB: past the slot threshold
+    with _spooled(tmp_path / "spool") as commits:
+        bcp.save(str(tmp_path / "c"), {"model": model})
+    assert sum(e["attrs"]["direct_bytes"] for e in commits) == 0
+    assert all(e["attrs"]["slot_wait_s"] >= 0 for e in commits) and commits
+    assert os.listdir(tmp_path / "slots")  # the large file took a slot
+    back = torch.nn.Linear(1024, 3000)
+    bcp.load(str(tmp_path / "c"), {"model": back})
+    assert torch.equal(back.weight, model.weight) and torch.equal(back.bias, model.bias)
+
+
+@pytest.mark.parametrize("setting, direct, slots", [(None, False, 4), ("async", False, 4),
+                                                    ("1", True, 4), ("0", False, 4)])
+def test_waited_writes_take_the_page_cache_and_host_slots(monkeypatch, setting, direct, slots):
+    from bytecheckpoint.storage import open_storage
+
+    if setting is None:
+        monkeypatch.delenv("BCP_STORAGE_DIRECT_WRITES", raising=False)
+    else:
+        monkeypatch.setenv("BCP_STORAGE_DIRECT_WRITES", setting)
+    storage, _ = open_storage("/tmp/anything")
+    waited = storage.for_waited_writes()
+    assert waited.inner.transfer.direct_writes is direct
+    assert waited.inner.host_writers == slots
+    # the storage it came from is unchanged: async saves and everything else keep their own
+    assert storage.inner.host_writers == 0
+    assert storage.inner.transfer.direct_writes is (setting != "0")
+    monkeypatch.setenv("BCP_STORAGE_HOST_WRITERS", "0")
+    assert open_storage("/tmp/x")[0].for_waited_writes().inner.host_writers == 0
+    if os.path.isdir("/dev/shm"):
+        assert SharedMemoryStorage().for_waited_writes().host_writers == 0  # tmpfs: no disk

@@ -1,0 +1,184 @@
+"""Synchronous saves against the disk's write limit, measured in the same run.
+
+    .venv/bin/python bench/save_vs_write_limit.py                          # 0.36 GB, ~1 min
+    .venv/bin/python bench/save_vs_write_limit.py --models 1.3gb,3.56gb --reps 5
+    .venv/bin/python bench/save_vs_write_limit.py --variant before:BCP_HOST_WRITERS=0 --variant after
+
+For each model (``--models``; the GPT + AdamW workloads of bench/train_loop_cost.py), FSDP2
+on 4 CPU processes (gloo) builds its state. Then, ``--reps`` times, each measurement after
+``sync``, a dropped page cache and ``--settle`` seconds of idle disk:
+  limit   rank 0 writes the state's byte count as S files at once, each one sequential
+          stream of 16 MiB writes then fsync, with early writeback and drop-behind (the
+          fastest way a single stream writes here; ``engine_vs_dcp.py`` measures the others),
+          for S = 1, 2, 4, 8: the best is the write limit
+  save    bcp.save of the state (every rank writes its share; the save's own commit,
+          metadata and fsyncs included), once per ``--variant``
+  paired  right before and right after each save, the limit again with the best count of
+          the sweeps so far (the disk's speed drifts within a minute; measured next to each
+          save it is an unbiased reference)
+and prints each save's GB/s and its fraction of the limit: of the median sweep's best, and
+the median of the paired ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import MODELS, env_set, free_port, gather, max_over_ranks  # noqa: E402
+from bench.engine_vs_dcp import sequential_write  # noqa: E402
+from bench.load_vs_read_limit import drop_cache, make_state, parse_variants  # noqa: E402
+
+SWEEP = (1, 2, 4, 8)
+BEHIND = 64 << 20  # early writeback every 64 MiB, as the engine's buffered writes
+
+
+def write_limit(root: str, nbytes: int, streams: int) -> float:
+    """GB/s of ``streams`` files written at once, ``nbytes`` in all, each with fsync."""
+    os.makedirs(root, exist_ok=True)
+    each = -(-nbytes // streams)
+    drop_cache([])
+    t = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(lambda i: sequential_write(f"{root}/s{i}", each, behind=BEHIND, drop=True),
+                      range(streams)))
+    gbps = each * streams / (time.perf_counter() - t) / 1e9
+    shutil.rmtree(root, ignore_errors=True)
+    return gbps
+
+
+def limits(root: str, nbytes: int, counts: list[int]) -> dict[int, float]:
+    """Rank 0 writes; the others wait."""
+    out: dict[int, float] = {}
+    if dist.get_rank() == 0:
+        for c in counts:
+            out[c] = write_limit(f"{root}/limit", nbytes, c)
+    dist.barrier()
+    return out
+
+
+def timed_save(variant: dict[str, str], state: dict[str, Any], path: str) -> float:
+    import bytecheckpoint as bcp
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        drop_cache([])
+    dist.barrier()
+    with env_set(variant):
+        t = time.perf_counter()
+        bcp.save(path, state, framework="fsdp2")
+        elapsed = max_over_ranks(time.perf_counter() - t)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return elapsed
+
+
+def best_count(sweeps: list[dict[int, float]]) -> int:
+    return max(SWEEP, key=lambda c: med([sw[c] for sw in sweeps]))
+
+
+def worker(rank: int, world: int, port: int, model: str, root: str, reps: int, out_file: str,
+           variants: dict[str, dict[str, str]]) -> None:
+    import bytecheckpoint as bcp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    state = make_state(MODELS[model], seed=0)
+    bcp.save(f"{root}/warm", state, framework="fsdp2")  # first-save costs, and the byte count
+    dist.barrier()
+    nbytes = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(f"{root}/warm") for n in ns)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{root}/warm")
+    res: dict[str, Any] = {"bytes": nbytes, "sweeps": [], "saves": {v: [] for v in variants}}
+    names = list(variants)
+    for rep in range(reps):
+        res["sweeps"].append(limits(root, nbytes, list(SWEEP)[:: 1 if rep % 2 == 0 else -1]))
+        best = gather(best_count(res["sweeps"]) if rank == 0 else 0)[0]
+        for v in names[rep % len(names):] + names[:rep % len(names)]:
+            before = limits(root, nbytes, [best])
+            s = timed_save(variants[v], state, f"{root}/ckpt")
+            after = limits(root, nbytes, [best])
+            paired = (before[best] + after[best]) / 2 if rank == 0 else 0.0
+            res["saves"][v].append({"s": s, "paired": paired, "best": best})
+        if rank == 0:
+            print(f"  rep {rep + 1}/{reps}: " + ", ".join(
+                f"{v} {res['saves'][v][-1]['s']:.2f} s" for v in names), flush=True)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def report(name: str, res: dict[str, Any]) -> list[str]:
+    gb = res["bytes"] / 1e9
+    sweep = {c: med([sw[str(c)] for sw in res["sweeps"]]) for c in SWEEP}
+    best = max(sweep.values())
+    lines = [f"\n{name}: {gb:.2f} GB written per save (4 ranks)",
+             "  write limit (medians of the sweeps), GB/s: "
+             + ", ".join(f"{c} streams {v:.2f}" for c, v in sweep.items())]
+    for v, saves in res["saves"].items():
+        s = med([x["s"] for x in saves])
+        paired = med([gb / x["s"] / x["paired"] for x in saves])
+        lines.append(f"  {v}: save median {s:.2f} s (of {len(saves)}) = {gb / s:.2f} GB/s = "
+                     f"{gb / s / best:.0%} of the sweeps' best; paired {paired:.0%} (per save: "
+                     + ", ".join(f"{gb / x['s'] / x['paired']:.0%}" for x in saves) + ")")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="medium", help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME or NAME:ENV=V,ENV=V (repeatable): saves under each environment")
+    parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "bcp-bench-write"))
+    parser.add_argument("--settle", type=float, default=2.0,
+                        help="seconds the disk is left idle before each timed write")
+    args = parser.parse_args()
+    os.environ["BENCH_SETTLE_S"] = str(args.settle)  # the spawned ranks read it on import
+    root = os.path.abspath(args.dir)
+    t = time.perf_counter()
+    everything: dict[str, Any] = {}
+    for name in args.models.split(","):
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        out = f"{root}/res.json"
+        mp.start_processes(worker, nprocs=4, start_method="spawn",
+                           args=(4, free_port(), name, root, args.reps, out, parse_variants(args.variant)))
+        everything[name] = json.load(open(out))
+        print("\n".join(report(name, everything[name])), flush=True)
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\ntotal {time.perf_counter() - t:.0f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(everything, f)
+
+
+if __name__ == "__main__":
+    main()
