@@ -72,6 +72,9 @@ class Lease:
         return True
 
 
+MAX_LEASE_BYTES = 64 << 10  # a lease is a few dozen bytes of JSON
+
+
 def list_leases(storage: Storage, path: str) -> list[Lease]:
     """Every lease file on the checkpoint at ``path``, active or not."""
     parent, name = _split(path)
@@ -82,7 +85,10 @@ def list_leases(storage: Storage, path: str) -> list[Lease]:
             continue
         full = posixpath.join(parent, entry)
         try:
-            doc = json.loads(bytes(storage.read(full)).decode())
+            raw = storage.read_small(full, MAX_LEASE_BYTES)
+            if raw is None:
+                raise ValueError("too large for a lease")
+            doc = json.loads(raw.decode())
             leases.append(Lease(full, str(doc["host"]), int(doc["pid"]), float(doc["expires"])))
         except FileNotFoundError:
             continue  # released while we listed

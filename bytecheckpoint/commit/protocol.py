@@ -512,12 +512,11 @@ def read_latest(storage: Storage, root: str) -> Latest | None:
     pointer = posixpath.join(root, LATEST_FILE)
     where = storage.url(pointer)
     try:
-        size = storage.size(pointer)
-        if size > MAX_LATEST_BYTES:
+        raw = storage.read_small(pointer, MAX_LATEST_BYTES)  # a save renames over it any time
+        if raw is None:
             raise CorruptCheckpointError(
-                f"{where} is {size} bytes, not a latest pointer (a few dozen bytes of JSON); remove "
-                "it, or load a checkpoint by its path")
-        raw = bytes(storage.read(pointer))
+                f"{where} is over {MAX_LATEST_BYTES} bytes, not a latest pointer (a few dozen bytes "
+                "of JSON); remove it, or load a checkpoint by its path")
     except (FileNotFoundError, NotADirectoryError):
         return None  # NotADirectoryError: ``root`` is a file, which holds no pointer
     except IsADirectoryError as exc:

@@ -132,9 +132,10 @@ def record_alive(doc: dict[str, Any] | None, now: float | None = None) -> bool:
 def read_record(storage: Storage, full: str) -> dict[str, Any] | None:
     """An owner record, or None when it cannot be read as one (raises FileNotFoundError)."""
     try:
-        if storage.size(full) > _MAX_RECORD:
+        raw = storage.read_small(full, _MAX_RECORD)  # its heartbeat may rewrite it meanwhile
+        if raw is None:
             return None
-        doc = json.loads(bytes(storage.read(full)).decode())
+        doc = json.loads(raw.decode())
     except (ValueError, UnicodeDecodeError, IsADirectoryError, EOFError):
         return None
     return doc if isinstance(doc, dict) else None

@@ -164,6 +164,14 @@ class Storage(abc.ABC):
             raise EOFError(f"{self.url(path)}: wanted {length} bytes at {offset}, got {got}")
         return buf
 
+    def read_small(self, path: str, max_bytes: int) -> bytes | None:
+        """The whole of a small file that a writer may replace (rename over) at any moment, in
+        one request, never a size and then a read that could see two different files; None
+        when it holds more than ``max_bytes``."""
+        buf = bytearray(max_bytes + 1)
+        got = self.read_into(path, 0, memoryview(buf))
+        return None if got > max_bytes else bytes(buf[:got])
+
     def write_bytes(self, path: str, data: bytes) -> int:
         writer = self.open_writer(path)
         try:

@@ -292,6 +292,36 @@ def test_a_bad_latest_is_refused_by_name_and_replaced_by_the_next_save(tmp_path,
     assert _loaded_value(str(run)) == {2.0}
 
 
+@pytest.mark.parametrize("after_look", [1, 2])
+def test_a_latest_replaced_between_two_looks_is_read_whole(tmp_path, after_look):
+    """A save renames a new pointer over ``latest`` at any moment. A reader that took its size
+    and then read it could get a length from one file and bytes from the other (a race with a
+    tiering pass once failed with "wanted 63 bytes at 0, got 62"): the pointer is read in one
+    request, so a rename right after any of the reader's storage calls changes nothing."""
+    from bytecheckpoint.commit import protocol
+    from bytecheckpoint.storage.local import LocalStorage
+
+    bcp.save(str(tmp_path / "s10"), make_state(10), step=10)
+    pointer = tmp_path / "latest"
+    shorter = json.dumps({"checkpoint": "s9", "step": 9}).encode()
+
+    looks = []
+
+    class Replacing(LocalStorage):
+        def size(self, path):
+            n = super().size(path)
+            looks.append(path)
+            if path.endswith("latest") and len(looks) == after_look:
+                # the save's rename lands right after this look at the pointer
+                tmp = tmp_path / ".latest.new"
+                tmp.write_bytes(shorter)
+                os.replace(tmp, pointer)
+            return n
+
+    latest = protocol.read_latest(Replacing(fsync=False), str(tmp_path))
+    assert latest in (protocol.Latest("s10", 10), protocol.Latest("s9", 9))
+
+
 def test_a_directory_named_latest_is_refused(tmp_path):
     bcp.save(str(tmp_path / "s1"), make_state(1), step=1)
     os.unlink(tmp_path / "latest")
