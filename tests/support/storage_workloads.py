@@ -35,3 +35,51 @@ def save_reporting_error(root: str, steps: int) -> dict[str, Any]:
 def flush_telemetry() -> int:
     telemetry.flush()
     return dist.get_rank()
+
+
+def save_taking_turns(root: str, slots_dir: str) -> dict[str, Any]:
+    """A synchronous save of 12 MiB per rank (past the slot threshold) with one host write slot
+    (``BCP_STORAGE_HOST_WRITERS=1``), then a load into fresh tensors: this rank's slot
+    intervals (wall clock, comparable across the host's processes) and whether the load
+    returned every byte."""
+    import time
+
+    import torch
+
+    import bytecheckpoint as bcp
+    from bytecheckpoint.storage import write_slots
+
+    rank = dist.get_rank()
+    held: list[tuple[float, float]] = []
+    real_take = write_slots.take
+
+    def recording_take(*args: Any, **kwargs: Any) -> write_slots.Slot:
+        slot = real_take(*args, **kwargs)
+        if slot.fd is None:
+            return slot
+        start, release = time.time(), slot.release
+
+        def recorded() -> None:
+            held.append((start, time.time()))
+            release()
+        slot.release = recorded  # type: ignore[method-assign]
+        return slot
+
+    old = {k: os.environ.get(k) for k in ("BCP_STORAGE_HOST_WRITERS", write_slots.SLOTS_DIR_ENV)}
+    os.environ.update({"BCP_STORAGE_HOST_WRITERS": "1", write_slots.SLOTS_DIR_ENV: slots_dir})
+    write_slots.take = recording_take
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        state = {"w": torch.randn(3 << 20, generator=gen), "b": torch.randn(7, generator=gen)}
+        bcp.save(f"{root}/turns", {"model": state})
+        back = {"w": torch.zeros(3 << 20), "b": torch.zeros(7)}
+        bcp.load(f"{root}/turns", {"model": back})
+    finally:
+        write_slots.take = real_take
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    exact = all(torch.equal(state[k], back[k]) for k in state)
+    return {"held": held, "exact": exact}
