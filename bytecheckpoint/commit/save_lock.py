@@ -136,7 +136,7 @@ def read_record(storage: Storage, full: str) -> dict[str, Any] | None:
         if raw is None:
             return None
         doc = json.loads(raw.decode())
-    except (ValueError, UnicodeDecodeError, IsADirectoryError, EOFError):
+    except (ValueError, UnicodeDecodeError, IsADirectoryError):
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -92,24 +92,30 @@ def take(target: str, count: int, max_wait_s: float = MAX_WAIT_S) -> Slot:
         device = os.stat(os.path.dirname(os.path.abspath(target))).st_dev
     except OSError:
         return Slot(None, 0.0)
-    directory = slots_dir()
     start = time.monotonic()
-    pause = 0.001
-    # Start at a slot of this process's own, so that the host's writers spread over the slots
-    # instead of all trying the first.
+    # Opened once for the whole wait, starting at a slot of this process's own, so that the
+    # host's writers spread over the slots instead of all trying the first.
     first = os.getpid() % count
-    while True:
+    fds: list[int] = []
+    try:
         for i in range(count):
-            fd = _open_slot(directory, device, (first + i) % count)
+            fd = _open_slot(slots_dir(), device, (first + i) % count)
             if fd is None:
                 return Slot(None, time.monotonic() - start)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue
-            return Slot(fd, time.monotonic() - start)
-        if time.monotonic() - start >= max_wait_s:
-            return Slot(None, time.monotonic() - start)
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
+            fds.append(fd)
+        pause = 0.001
+        while True:
+            for fd in fds:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue
+                fds.remove(fd)  # kept: the caller's slot
+                return Slot(fd, time.monotonic() - start)
+            if time.monotonic() - start >= max_wait_s:
+                return Slot(None, time.monotonic() - start)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+    finally:
+        for fd in fds:
+            os.close(fd)
