@@ -213,3 +213,15 @@ def test_writers_of_one_host_take_turns_and_every_byte_lands(slots_dir, tmp_path
         for j in range(3):
             data = (tmp_path / f"f{i}-{j}").read_bytes()
             assert data == b"".join(bytes([i * 16 + j * 4 + k]) * (4 * MiB) for k in range(3))
+
+
+@pytest.mark.parametrize("raw", ["many", "-1", "2.5"])
+def test_a_bad_host_writers_setting_is_refused_by_name(monkeypatch, raw):
+    import bytecheckpoint as bcp
+    from bytecheckpoint.storage.config import settings
+
+    monkeypatch.setenv("BCP_STORAGE_HOST_WRITERS", raw)
+    with pytest.raises(bcp.errors.StorageError, match="BCP_STORAGE_HOST_WRITERS"):
+        settings()
+    monkeypatch.setenv("BCP_STORAGE_HOST_WRITERS", "0")
+    assert settings().transfer.host_writers == 0  # off
