@@ -316,6 +316,7 @@ def cold_load_as(variant: dict[str, str], state: dict[str, Any], path: str,
 def worker(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int, save: bool,
            profile: bool, out_file: str, variants: dict[str, dict[str, str]]) -> None:
     import bytecheckpoint as bcp
+    import bytecheckpoint.api  # noqa: F401  (bcp.load imports it on first use: 0.02-0.04 s, not the load's)
     from bytecheckpoint.engine.load import share_of_host
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -359,10 +360,10 @@ def worker(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: in
 
 
 class Recorder:
-    """Wraps functions with timers that record (start, end, bytes, thread) per call."""
+    """Wraps functions with timers that record (start, end, bytes, thread name) per call."""
 
     def __init__(self) -> None:
-        self.calls: dict[str, list[tuple[float, float, int, int]]] = {}
+        self.calls: dict[str, list[tuple[float, float, int, str]]] = {}
         self._undo: list[tuple[Any, str, Any]] = []
         self._lock = threading.Lock()
 
@@ -377,7 +378,7 @@ class Recorder:
             finally:
                 n = size(args, kwargs) if size is not None else 0
                 with self._lock:
-                    calls.append((t, time.perf_counter(), n, threading.get_ident()))
+                    calls.append((t, time.perf_counter(), n, threading.current_thread().name))
 
         setattr(owner, name, timed)
         self._undo.append((owner, name, original))
@@ -404,6 +405,19 @@ def covered(intervals: list[tuple[float, float]], cover: list[tuple[float, float
         for c, d in cover:
             total += max(0.0, min(b, d) - max(a, c))
     return total
+
+
+def by_thread(reads: list[tuple[float, float, int, str]], t0: float) -> dict[str, dict[str, float]]:
+    """Reads per kind of thread (the name without its number): bytes, busy seconds, and when
+    the first began and the last ended, from the load's start."""
+    out: dict[str, dict[str, float]] = {}
+    for a, b, n, name in reads:
+        kind = name.rstrip("0123456789_").rstrip("-") or name
+        k = out.setdefault(kind, {"bytes": 0, "busy_s": 0.0, "first_s": a - t0, "last_s": b - t0})
+        k["bytes"] += n
+        k["busy_s"] += b - a
+        k["first_s"], k["last_s"] = min(k["first_s"], a - t0), max(k["last_s"], b - t0)
+    return out
 
 
 def concurrency(intervals: list[tuple[float, float]]) -> dict[str, float]:
@@ -471,6 +485,7 @@ def profiled_load(state: dict[str, Any], path: str, files: list[tuple[str, int]]
                  "size_median": statistics.median(sizes) if sizes else 0,
                  "size_min": sizes[0] if sizes else 0, "size_max": sizes[-1] if sizes else 0},
         "intervals": [(a, b) for a, b, _, _ in reads],
+        "by_thread": by_thread(reads, t0),
         # when this rank's first tensor read (>= 4 MiB) began, and its last ended, from the load's start
         "first_read_s": min((a for a, _, n, _ in reads if n >= READ_CALL), default=t1) - t0,
         "last_read_s": max((b for _, b, _, _ in reads), default=t1) - t0,
@@ -554,6 +569,9 @@ def report_profile(name: str, prof: dict[str, Any]) -> list[str]:
             f"copy {r['copy']['s']:.2f} s ({r['copy']['calls']} boxes); exchange {r['exchange']['s']:.2f} s; "
             f"agree {r['agree']['s']:.2f} s; allocate {r['allocate']['s']:.2f} s; planning steps: "
             + ", ".join(f"{k} {v:.3f}" for k, v in r["plan_steps"].items() if v))
+        lines.append("      reads by thread: " + "; ".join(
+            f"{k} {v['bytes'] / 1e6:.0f} MB, busy {v['busy_s']:.2f} s, {v['first_s']:.2f}-{v['last_s']:.2f} s"
+            for k, v in sorted(r.get("by_thread", {}).items())))
     return lines
 
 

@@ -531,7 +531,8 @@ class LoadPipeline:
         bases = [0]
         for g in groups:
             bases.append(bases[-1] + len(g))  # tags: the unit's index in the whole plan
-        with on_device(self.device), ThreadPoolExecutor(max(1, self.threads)) as pool:
+        readers = ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="bcp-read")
+        with on_device(self.device), readers as pool:
             pending: list[tuple[int, ReadUnit, Future]] = []
             try:
                 need = max((self._host_need(g) for g in groups), default=0)

@@ -59,8 +59,41 @@ def test_replicated_boxes_go_to_their_writers_not_to_the_least_loaded_rank():
     assert sorted(u.reader for u in plan_reads(per_rank)) == [0, 1]
 
 
-def test_a_smaller_world_folds_the_writers_and_a_larger_one_has_none():
+def test_a_smaller_world_folds_the_writers_in_blocks_and_a_larger_one_has_none():
     assert preferred_readers([0, 1, 2, 3, 0], saved_world=4, world=4) == [0, 1, 2, 3, 0]
-    assert preferred_readers([0, 1, 2, 3], saved_world=4, world=2) == [0, 1, 0, 1]
+    assert preferred_readers([0, 1, 2, 3], saved_world=4, world=2) == [0, 0, 1, 1]
+    assert preferred_readers([0, 1, 2, 3], saved_world=4, world=3) == [0, 0, 1, 2]
     # Growing 2 -> 4, the writers would take every replicated box and leave ranks 2 and 3 idle.
     assert preferred_readers([0, 1], saved_world=2, world=4) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 3), st.integers(1, 40))
+def test_every_rank_of_a_smaller_world_is_some_file_s_reader(saved, world, files_per_rank, rows):
+    if world > saved:
+        world, saved = saved, world
+    file_ranks = [r for r in range(saved) for _ in range(files_per_rank)]
+    readers = preferred_readers(file_ranks, saved, world)
+    assert readers is not None and set(readers) == set(range(world))
+
+
+def test_dim0_shards_on_fewer_ranks_are_read_by_their_preferred_readers_alone():
+    # A tensor of 4 * 6 rows saved by 4 ranks (one file each, rows r*6 .. r*6+6), loaded by
+    # 2 ranks holding 12 rows each: every byte a rank needs lies in a file it is the
+    # preferred reader of, so all of it can be read before the plan is agreed.
+    row = 16
+    saved, world = 4, 2
+    writers = preferred_readers(list(range(saved)), saved, world)
+    assert writers is not None
+    per_rank = []
+    for rank in range(world):
+        lo, hi = rank * 12, rank * 12 + 12
+        needs = []
+        for f in range(saved):
+            first, end = max(lo, f * 6), min(hi, f * 6 + 6)  # the rows of file f this rank holds
+            if first < end:
+                needs.append(Need(f, 0, 6 * row, (first - f * 6) * row, (end - f * 6) * row))
+        per_rank.append(needs)
+    units = plan_reads(per_rank, writers)
+    assert units and all(u.reader == writers[u.file] and not u.receivers for u in units)
+    assert sum(u.nbytes for u in units) == 24 * row
