@@ -142,6 +142,22 @@ def rank_breakdown(breakdown: pd.DataFrame, *, rank: int, title: str) -> go.Figu
     return fig
 
 
+def slot_waits(waits: pd.DataFrame, *, title: str) -> go.Figure:
+    """Seconds each rank's files waited for a host write slot (``queries.slot_waits``)."""
+    if waits.empty or not (waits["wait_s"] > 0).any():
+        return _empty(title, "no file of this save waited for a host write slot")
+    labels = waits["rank"].map(lambda r: f"rank {int(r)}")
+    fig = go.Figure(go.Bar(
+        x=labels, y=waits["wait_s"], marker_color=_PALETTE[1],
+        customdata=np.stack([waits["waited"], waits["commits"]], axis=1),
+        hovertemplate="%{x}: waited %{y:.3f} s<br>%{customdata[0]} of %{customdata[1]} files waited"
+                      "<extra></extra>",
+    ))
+    fig.update_layout(title=title, template=_TEMPLATE, yaxis_title="seconds waiting for a slot",
+                      xaxis={"type": "category"})
+    return fig
+
+
 def step_durations(ckpts: pd.DataFrame, *, title: str) -> go.Figure:
     """Per step: blocking (slowest rank's call) and end-to-end seconds of saves and loads."""
     data = ckpts.dropna(subset=["step"]).sort_values("step")

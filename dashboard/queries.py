@@ -206,3 +206,19 @@ def tiering_moves(client: Any, *, job: str = ALL, run: str = ALL) -> pd.DataFram
     ORDER BY ts
     """
     return frame(client, sql, {"job": job, "run": run, "prefix": TIERING_PREFIX})
+
+
+def slot_waits(client: Any, *, job: str, run: str, checkpoint: str, op: str) -> pd.DataFrame:
+    """Per rank of one checkpoint: files committed (``storage.commit``), how many of them
+    waited for a host write slot, and the seconds they waited (``slot_wait_s``; see
+    ``bytecheckpoint.storage.write_slots``)."""
+    sql = f"""
+    SELECT rank, count() AS commits,
+           countIf(JSONExtractFloat(attrs, 'slot_wait_s') > 0) AS waited,
+           sum(JSONExtractFloat(attrs, 'slot_wait_s')) AS wait_s
+    FROM {EVENTS} FINAL
+    WHERE {_SCOPE} AND rank IS NOT NULL AND name = 'storage.commit'
+    GROUP BY rank
+    ORDER BY rank
+    """
+    return frame(client, sql, {"job": job, "run": run, "checkpoint": checkpoint, "op": op})

@@ -1,4 +1,5 @@
-"""Timeline: a Gantt of every rank's phases for one checkpoint, and one rank's breakdown (Fig. 12)."""
+"""Timeline: a Gantt of every rank's phases for one checkpoint, one rank's breakdown (Fig. 12),
+and, for a save, how long each rank's files waited for a host write slot."""
 
 from __future__ import annotations
 
@@ -30,3 +31,13 @@ rank = st.selectbox("Rank breakdown", all_ranks, key=f"rank:{scope}",
 st.plotly_chart(figures.rank_breakdown(frames.rank_breakdown(phases, rank), rank=rank,
                                        title=f"rank {rank}: busy seconds per phase vs the median rank"),
                 width="stretch", key="breakdown")
+
+if ckpt["op"] == "save":
+    # Sync saves to a local disk take one of a host's write slots per large file
+    # (BCP_STORAGE_HOST_WRITERS); a rank that waited long for one is slow for that reason.
+    waits = ui.query("slot_waits", **ui.checkpoint_params(ckpt))
+    if not waits.empty and (waits["wait_s"] > 0).any():
+        title = "seconds each rank's files waited for a host write slot"
+        st.plotly_chart(figures.slot_waits(waits, title=title), width="stretch", key="slot_waits")
+    elif not waits.empty:
+        st.caption("No file of this save waited for a host write slot.")

@@ -166,6 +166,39 @@ def test_timeline_has_one_bar_per_rank_and_phase(dsn, dashboard_run):
     mine = dict(zip(breakdown["data"][0]["x"], array(breakdown["data"][0]["y"])))
     assert mine["save.write"] == pytest.approx(per_rank(events, "save.write")[2])
 
+    # Its small files took no host write slot: the page says so instead of drawing a chart.
+    commits = [e for e in events if e["name"] == "storage.commit"]
+    assert commits and all(e["attrs"].get("slot_wait_s", 0) == 0 for e in commits)
+    assert not [c for c in at.get("plotly_chart") if "slot_waits" in c.proto.id]
+    assert any("waited for a host write slot" in c.value for c in at.caption)
+
+
+def test_timeline_shows_how_long_each_rank_waited_for_a_write_slot(tmp_path, monkeypatch):
+    # A 2-rank save whose rank 1 waited for slots on two of its three files, stored by the
+    # ingester's own writer; the page sums the waits per rank from the commits' attributes.
+    ckpt = "/ckpt/step_7"
+
+    def span(name: str, rank: int, ts: float, **attrs) -> dict:
+        return {"event_id": uuid.uuid4().hex, "name": name, "ts": ts, "duration_s": 0.5, "outcome": "ok",
+                "job": "slots", "run": "r1", "checkpoint": ckpt, "checkpoint_op": "save", "step": 7,
+                "rank": rank, "world_size": 2, "host": "vm", "attrs": attrs}
+
+    waits = {0: [0.0, 0.0, 0.0], 1: [0.75, 0.0, 0.5]}
+    events = [span(name, r, 100.0) for r in (0, 1) for name in ("save", "save.write")]
+    events += [span("storage.commit", r, 100.1 + i, slot_wait_s=w) for r, ws in waits.items()
+               for i, w in enumerate(ws)]
+    dsn = f"chdb://{tmp_path / 'slots'}"
+    monkeypatch.setenv(store.DSN_ENV, dsn)
+    try:
+        store.run_query(dsn, insert_events, events=events)
+        at = page("timeline", job="slots", run="r1", checkpoint=ckpt, op="save")
+        [bar] = figure(at, "slot_waits")["data"]
+        assert list(bar["x"]) == ["rank 0", "rank 1"]
+        assert list(array(bar["y"])) == pytest.approx([0.0, 1.25])
+        assert array(bar["customdata"]).tolist() == [[0, 3], [2, 3]]
+    finally:
+        store.close()
+
 
 def test_selecting_a_checkpoint_changes_the_figures(dsn, dashboard_run):
     at = page("topology", job=JOB)

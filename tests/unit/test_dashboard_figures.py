@@ -158,3 +158,14 @@ def test_blank_screenshots_are_not_taken_for_rendered_pages(tmp_path):
         img.paste((i, i, i + 20), (400 + 5 * i, 100, 404 + 5 * i, 400))
     img.save(page)
     assert rendered(page)[0] and not rendered(page, min_chart=0.005)[0]
+
+
+def test_slot_waits_show_each_rank_s_seconds_and_say_when_none_waited():
+    waits = pd.DataFrame({"rank": [0, 1, 2], "commits": [3, 3, 3], "waited": [0, 2, 1],
+                          "wait_s": [0.0, 1.25, 0.5]})
+    fig = figures.slot_waits(waits, title="t")
+    [bar] = fig.data
+    assert list(bar.x) == ["rank 0", "rank 1", "rank 2"] and list(bar.y) == [0.0, 1.25, 0.5]
+    assert [list(row) for row in bar.customdata] == [[0, 3], [2, 3], [1, 3]]
+    none = figures.slot_waits(waits.assign(wait_s=0.0, waited=0), title="t")
+    assert not none.data and "no file" in none.layout.annotations[0].text
