@@ -187,6 +187,8 @@ def test_timeline_shows_how_long_each_rank_waited_for_a_write_slot(tmp_path, mon
     events = [span(name, r, 100.0) for r in (0, 1) for name in ("save", "save.write")]
     events += [span("storage.commit", r, 100.1 + i, slot_wait_s=w) for r, ws in waits.items()
                for i, w in enumerate(ws)]
+    # A record whose wait is not a number counts as no wait, not as an error on the page.
+    events.append(span("storage.commit", 0, 104.0, slot_wait_s="soon"))
     dsn = f"chdb://{tmp_path / 'slots'}"
     monkeypatch.setenv(store.DSN_ENV, dsn)
     try:
@@ -195,7 +197,7 @@ def test_timeline_shows_how_long_each_rank_waited_for_a_write_slot(tmp_path, mon
         [bar] = figure(at, "slot_waits")["data"]
         assert list(bar["x"]) == ["rank 0", "rank 1"]
         assert list(array(bar["y"])) == pytest.approx([0.0, 1.25])
-        assert array(bar["customdata"]).tolist() == [[0, 3], [2, 3]]
+        assert array(bar["customdata"]).tolist() == [[0, 4], [2, 3]]
     finally:
         store.close()
 

@@ -63,6 +63,10 @@ def test_a_smaller_world_folds_the_writers_in_blocks_and_a_larger_one_has_none()
     assert preferred_readers([0, 1, 2, 3, 0], saved_world=4, world=4) == [0, 1, 2, 3, 0]
     assert preferred_readers([0, 1, 2, 3], saved_world=4, world=2) == [0, 0, 1, 1]
     assert preferred_readers([0, 1, 2, 3], saved_world=4, world=3) == [0, 0, 1, 2]
+    # Hostile metadata naming writers outside the saved world: no preferred readers (the
+    # balanced plan), never a reader outside this world.
+    assert preferred_readers([0, 1, 2, 3, 9], saved_world=4, world=2) is None
+    assert preferred_readers([-1, 0, 1, 2, 3], saved_world=4, world=2) is None
     # Growing 2 -> 4, the writers would take every replicated box and leave ranks 2 and 3 idle.
     assert preferred_readers([0, 1], saved_world=2, world=4) is None
 
