@@ -192,64 +192,74 @@ def verify_files(url: str, *, threads: int = 4,
     pieces = [sb.bytes for t in meta.tensors for sb in meta.boxes_of(t.key)]
     pieces += [o.bytes for o in meta.objects]
     bad_file = {p.file for p in problems}
-    problems += _padding_problems(storage, path, pieces, bad_file, padding_limit(meta.format_version))
+    padding_before, holes = _padding_gaps(storage, path, pieces, bad_file,
+                                          padding_limit(meta.format_version))
+    problems += holes
     block = max(1, _VERIFY_BLOCK // meta.chunk_bytes) * meta.chunk_bytes
 
-    def check(piece: ByteMeta) -> Problem | None:
+    def check(i: int) -> list[Problem]:
+        piece = pieces[i]
         full = posixpath.join(path, piece.file)
         if piece.file in bad_file:
-            return None  # already reported by name; its ranges may not exist
+            return []  # already reported by name; its ranges may not exist
+        # The padding before the piece (if any) is read in the piece's first request: no
+        # request of its own per gap, which on an object store is a round trip each.
+        lead = piece.byte_offset - padding_before.get(i, piece.byte_offset)
+        out = []
         try:
             bad = []
             for start in range(0, piece.byte_length, block):
-                data = storage.read(full, piece.byte_offset + start, min(block, piece.byte_length - start))
-                bad += bad_chunks(memoryview(data), start, list(piece.checksums), meta.chunk_bytes)
+                at, n = piece.byte_offset + start, min(block, piece.byte_length - start)
+                data = memoryview(storage.read(full, at - lead, lead + n))
+                if lead and any(bytes(data[:lead])):
+                    out.append(Problem(piece.file, f"{storage.url(full)}: bytes {at - lead}..{at} "
+                                                   "between two pieces (padding) are not zeros: the "
+                                                   "file was altered"))
+                bad += bad_chunks(data[lead:], start, list(piece.checksums), meta.chunk_bytes)
+                lead = 0
         except (OSError, EOFError) as exc:
-            return Problem(piece.file, f"{storage.url(full)}: cannot read bytes "
-                                       f"{piece.byte_offset}+{piece.byte_length}: {exc}")
+            return out + [Problem(piece.file, f"{storage.url(full)}: cannot read bytes "
+                                              f"{piece.byte_offset}+{piece.byte_length}: {exc}")]
         finally:
             if progress is not None:
                 progress(piece.byte_length)
         if bad:
-            return Problem(piece.file, f"{storage.url(full)}: checksum mismatch at bytes "
-                                       f"{piece.byte_offset}+{piece.byte_length}")
-        return None
+            out.append(Problem(piece.file, f"{storage.url(full)}: checksum mismatch at bytes "
+                                           f"{piece.byte_offset}+{piece.byte_length}"))
+        return out
 
     with ThreadPoolExecutor(threads) as pool:
-        problems += [p for p in pool.map(check, pieces) if p]
+        problems += [p for found in pool.map(check, range(len(pieces))) for p in found]
     return storage.url(path), problems
 
 
-def _padding_problems(storage: Storage, path: str, pieces: list[ByteMeta], skip: set[str],
-                      limit: int) -> list[Problem]:
+def _padding_gaps(storage: Storage, path: str, pieces: list[ByteMeta], skip: set[str],
+                  limit: int) -> tuple[dict[int, int], list[Problem]]:
     """The bytes between two pieces of a file (the padding that places them, format 3 on;
-    shorter than ``limit``) are zeros: no checksum covers them, and a tool that reads the
-    padding entries reads them."""
-    by_file: dict[str, list[tuple[int, int]]] = {}
-    for piece in pieces:
+    shorter than ``limit``) must be zeros: no checksum covers them, and a tool that reads the
+    padding entries reads them. Returns, by index into ``pieces``, where the gap before a
+    piece starts (one piece per gap, so each gap is read once), and a problem for each file
+    (not in ``skip``) with a gap no padding could be, which is never read: a hostile metadata
+    could make it any size."""
+    by_file: dict[str, list[tuple[int, int, int]]] = {}
+    for i, piece in enumerate(pieces):
         if piece.file not in skip and piece.byte_length:
             end = piece.byte_offset + piece.byte_length
-            by_file.setdefault(piece.file, []).append((piece.byte_offset, end))
-    out = []
+            by_file.setdefault(piece.file, []).append((piece.byte_offset, end, i))
+    before: dict[int, int] = {}
+    holes = []
     for name, spans in sorted(by_file.items()):
-        full = posixpath.join(path, name)
         spans.sort()
-        gaps = [(end, start) for (_, end), (start, _) in zip(spans, spans[1:]) if start > end]
-        hole = next(((a, b) for a, b in gaps if b - a >= max(limit, 1)), None)
-        if hole is not None:  # never read: a hostile metadata could make it any size
-            out.append(Problem(name, f"{storage.url(full)}: bytes {hole[0]}..{hole[1]} between two "
-                                     f"pieces are longer than any padding ({max(limit - 1, 0)} bytes at "
-                                     "most): the metadata or the file was altered"))
+        gaps = [(end, start, i) for (_, end, _), (start, _, i) in zip(spans, spans[1:]) if start > end]
+        hole = next(((a, b) for a, b, _ in gaps if b - a >= max(limit, 1)), None)
+        if hole is not None:
+            full = storage.url(posixpath.join(path, name))
+            holes.append(Problem(name, f"{full}: bytes {hole[0]}..{hole[1]} between two pieces are longer "
+                                       f"than any padding ({max(limit - 1, 0)} bytes at most): the "
+                                       "metadata or the file was altered"))
             continue
-        try:
-            bad = next(((a, b) for a, b in gaps if any(bytes(storage.read(full, a, b - a)))), None)
-        except (OSError, EOFError) as exc:
-            out.append(Problem(name, f"{storage.url(full)}: cannot read its padding: {exc}"))
-            continue
-        if bad is not None:
-            out.append(Problem(name, f"{storage.url(full)}: bytes {bad[0]}..{bad[1]} between two pieces "
-                                     "(padding) are not zeros: the file was altered"))
-    return out
+        before.update((i, a) for a, _, i in gaps)
+    return before, holes
 
 
 def verify(url: str, *, threads: int = 4) -> list[str]:

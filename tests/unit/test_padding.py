@@ -174,7 +174,7 @@ def test_any_sizes_give_a_valid_safetensors_file_with_large_pieces_aligned(tmp_p
 def test_a_hole_longer_than_any_padding_is_reported_without_reading_it():
     """Hostile metadata may place two pieces of a file any distance apart (the file made as
     large): verify names the hole instead of reading gigabytes of it to check for zeros."""
-    from bytecheckpoint.commit.integrity import _padding_problems
+    from bytecheckpoint.commit.integrity import _padding_gaps
     from bytecheckpoint.format.metadata import ByteMeta
     from bytecheckpoint.storage.memory import MemoryStorage
 
@@ -183,5 +183,54 @@ def test_a_hole_longer_than_any_padding_is_reported_without_reading_it():
             raise AssertionError(f"read {length} bytes at {offset}")
 
     pieces = [ByteMeta("f", 0, 64, ()), ByteMeta("f", 64 + (1 << 40), 64, ())]
-    problems = _padding_problems(NoReads(), "ckpt", pieces, set(), 4096)
+    before, problems = _padding_gaps(NoReads(), "ckpt", pieces, set(), 4096)
     assert len(problems) == 1 and "longer than any padding" in problems[0].message
+    assert before == {}  # and nothing of it is left for the pieces' reads to check
+
+
+class ManyOdd(torch.nn.Module):
+    """Odd-sized buffers between larger ones: a file with many padding gaps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(12):
+            self.register_buffer(f"b{i:02d}_odd", torch.arange(3 + i, dtype=torch.uint8))
+            self.register_buffer(f"b{i:02d}_big", torch.full((100 + i,), i, dtype=torch.float32))
+
+
+def test_verify_reads_each_padding_gap_with_the_piece_after_it(tmp_path, monkeypatch):
+    """One storage request per piece, however many gaps a file has (on an object store a
+    request per gap is a round trip each), and a changed byte in any gap is still named by its
+    exact range."""
+    from bytecheckpoint.storage.local import LocalStorage
+
+    path = str(tmp_path / "many")
+    bcp.save(path, {"model": ManyOdd()})
+    f = os.path.join(path, "model-00000.safetensors")
+    data_start, header = header_of(f)
+    gaps = sorted(v["data_offsets"] for k, v in header.items() if k.startswith(PADDING_PREFIX))
+    pieces = [k for k in header if k != "__metadata__" and not k.startswith(PADDING_PREFIX)]
+    assert len(gaps) >= 10
+
+    reads: list[tuple[int, int]] = []
+    real_read = LocalStorage.read_into
+
+    def counted(self, p, offset, buffer):  # noqa: ANN001, ANN202
+        if p.endswith(".safetensors") and offset >= data_start:
+            reads.append((offset, len(buffer)))
+        return real_read(self, p, offset, buffer)
+
+    monkeypatch.setattr(LocalStorage, "read_into", counted)
+    assert bcp.verify(path) == []
+    assert len(reads) == len(pieces), (len(reads), len(pieces))
+    covered = sorted((o - data_start, o - data_start + n) for o, n in reads)
+    for lo, hi in gaps:  # every gap lies inside a read
+        assert any(a <= lo and hi <= b for a, b in covered), (lo, hi)
+
+    lo, hi = gaps[len(gaps) // 2]
+    with open(f, "r+b") as fh:
+        fh.seek(data_start + hi - 1)
+        fh.write(b"\x07")
+    problems = bcp.verify(path)
+    assert problems == [f"{f}: bytes {data_start + lo}..{data_start + hi} between two pieces (padding) "
+                        "are not zeros: the file was altered"], problems
