@@ -35,6 +35,12 @@ Per checkpoint (medians over the timed saves, each the maximum over ranks):
   return     time until save() returns
   extra      extra training-loop wall time: from the save call to the end of the first step
              that ends after the save is seen complete, minus those steps' time without saves
+             (the median step of the loop with no saves)
+  extra (own)
+             the same against the median step of the same loop outside every save's window
+             (at least 2 such steps per rank, else the loop with no saves): loops of different
+             modes run minutes apart, and a drift of the shared machine's speed between them
+             moves "extra" by (drift x steps in a window), of the order of the figure itself
   rate       training steps/s while the save is in flight (overlap of steps with it)
   total      save call to commit (for ETTR)
   cpu        the save's process CPU time (user + system: copies, checksums, write), summed
@@ -391,6 +397,17 @@ def window_figures(ranks: list[dict[str, Any]], base_step: float) -> list[dict[s
     return out
 
 
+def own_base(loop: list[dict[str, Any]]) -> float | None:
+    """The median step of one loop (every rank's record of it) outside every save's window,
+    from call to seen; None with fewer than 2 such steps per rank."""
+    steps = []
+    for r in loop:
+        windows = [(s["call"], s["seen"]) for s in r["saves"]]
+        steps += [b - a for a, b in r["steps"]
+                  if all(b <= call + 1e-9 or a >= seen - 1e-9 for call, seen in windows)]
+    return statistics.median(steps) if len(steps) >= 2 * len(loop) else None
+
+
 def alone(system: Bcp | Dcp, root: str, reps: int) -> dict[str, float]:
     """Saves with training stopped: CPU time of the save and peak extra host memory, from a
     start where every staging buffer is released."""
@@ -488,6 +505,8 @@ def summarize(data: dict[str, Any], cores: int) -> dict[str, dict[str, float]]:
         if name == "none":
             continue
         figs = [f for loop in loops for f in window_figures(loop, base)]
+        own_bases = [own_base(loop) for loop in loops]
+        own = [f for loop, b in zip(loops, own_bases) for f in window_figures(loop, base if b is None else b)]
         n_saves = sum(len(loop[0]["saves"]) for loop in loops)
         loop_extra = (sum(max(r["loop"] for r in loop) for loop in loops) - len(loops) * base_loop) / n_saves
         alone = data["alone"][name]
@@ -495,6 +514,8 @@ def summarize(data: dict[str, Any], cores: int) -> dict[str, dict[str, float]]:
             "saves": len(figs),
             "return": med([f["return"] for f in figs]),
             "extra": med([f["extra"] for f in figs]),
+            "extra_own": med([f["extra"] for f in own]),
+            "own_base": med([b for b in own_bases if b is not None]) if any(own_bases) else float("nan"),
             "extra_loop": loop_extra,
             "rate": med([f["rate"] for f in figs]),
             "total": med([f["total"] for f in figs]),
@@ -513,23 +534,26 @@ def report(data: dict[str, Any], args: Any) -> str:
              f"{WORLD} CPU processes, {cores} cores (shared with other jobs); {args.steps} steps, a save "
              f"every {args.every}, {args.reps} repetition(s); baseline step {base:.3f} s "
              f"({1 / base:.2f} steps/s); page cache dropped before loads: {data['dropped']}", ""]
-    head = (f"{'median per checkpoint':22} {'saves':>5} {'return s':>9} {'extra s':>8} {'extra(loop) s':>13} "
+    head = (f"{'median per checkpoint':22} {'saves':>5} {'return s':>9} {'extra s':>8} {'extra(own) s':>12} "
+            f"{'own base s':>10} {'extra(loop) s':>13} "
             f"{'steps/s in save':>15} {'total s':>8} {'cpu s':>7} {'floor s':>8} {'peak MB/rank':>12}")
     lines.append(head)
     for name, r in rows.items():
         if name == "none":
             continue
         lines.append(f"{name:22} {r['saves']:5d} {r['return']:9.3f} {r['extra']:8.3f} "
-                     f"{r['extra_loop']:13.3f} {r['rate']:15.2f} {r['total']:8.3f} {r['cpu']:7.2f} "
+                     f"{r['extra_own']:12.3f} {r['own_base']:10.3f} {r['extra_loop']:13.3f} "
+                     f"{r['rate']:15.2f} {r['total']:8.3f} {r['cpu']:7.2f} "
                      f"{r['floor']:8.3f} {r['mem_mb']:12.0f}")
     lines += ["", "ratios (same run):"]
     for ours, theirs in PAIRS:
         if ours in rows and theirs in rows:
             a, b = rows[ours], rows[theirs]
             extra = a["extra"] / b["extra"] if b["extra"] > 0 else float("nan")
+            own = a["extra_own"] / b["extra_own"] if b["extra_own"] > 0 else float("nan")
             floor = a["extra"] / a["floor"] if a["floor"] > 0 else float("nan")
             lines.append(f"  {ours:21} / {theirs:16}: return {a['return'] / b['return']:.3f}, "
-                         f"extra {extra:.3f}, total {a['total'] / b['total']:.3f}; "
+                         f"extra {extra:.3f}, extra (own) {own:.3f}, total {a['total'] / b['total']:.3f}; "
                          f"ours' extra is {floor:.1f}x its CPU floor")
     load = data["load"]
     lines += ["", "cold load (T_load): " + ", ".join(f"{k} {v:.2f} s" for k, v in load.items()),
