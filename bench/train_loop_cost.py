@@ -520,7 +520,7 @@ def summarize(data: dict[str, Any], cores: int) -> dict[str, dict[str, float]]:
             "return": med([f["return"] for f in figs]),
             "extra": med([f["extra"] for f in figs]),
             "extra_own": med([f["extra"] for f in own]),
-            "own_base": med([b for b in own_bases if b is not None]) if any(own_bases) else float("nan"),
+            "own_base": med([b for b in own_bases if b is not None]),
             "extra_loop": loop_extra,
             "rate": med([f["rate"] for f in figs]),
             "total": med([f["total"] for f in figs]),

@@ -234,3 +234,17 @@ def test_verify_reads_each_padding_gap_with_the_piece_after_it(tmp_path, monkeyp
     problems = bcp.verify(path)
     assert problems == [f"{f}: bytes {data_start + lo}..{data_start + hi} between two pieces (padding) "
                         "are not zeros: the file was altered"], problems
+
+
+def test_duplicate_and_overlapping_pieces_give_each_gap_to_one_piece():
+    """Hostile metadata that lists one piece twice, or pieces that overlap, must not make a
+    gap checked (or reported) twice, nor invent a gap inside an overlap."""
+    from bytecheckpoint.commit.integrity import _padding_gaps
+    from bytecheckpoint.format.metadata import ByteMeta
+    from bytecheckpoint.storage.memory import MemoryStorage
+
+    pieces = [ByteMeta("f", 0, 64, ()), ByteMeta("f", 100, 64, ()), ByteMeta("f", 100, 64, ()),
+              ByteMeta("f", 150, 64, ()), ByteMeta("g", 0, 10, ()), ByteMeta("g", 0, 0, ())]
+    before, holes = _padding_gaps(MemoryStorage(), "ckpt", pieces, set(), 4096)
+    assert holes == []
+    assert before == {1: 64}  # 64..100 once, read with the first copy; 150 overlaps: no gap
