@@ -97,12 +97,14 @@ def copy_out(read: BoxRead, non_blocking: bool = False) -> None:
     assert read.buffer is not None
     item = read.dtype.itemsize
     values = read.buffer.view(read.dtype) if read.buffer.numel() else torch.empty(0, dtype=read.dtype)
-    base = read.lo // item
+    # as_strided places its view from the start of the storage, not of ``values``: a box
+    # buffer is often a slice of a window arena (CUDA targets), so its own offset is added.
+    base = values.storage_offset() - read.lo // item
     strides = row_major_strides(read.box.lengths)
     for c in read.copies:
         rel = c.region.relative_to(read.box)
         first, _ = element_span(rel, read.box.lengths)
-        src = values.as_strided(rel.lengths, strides, first - base)
+        src = values.as_strided(rel.lengths, strides, base + first)
         dst = c.target.data[c.region.relative_to(c.target.box).slices()]
         if dst.device.type == "cuda" and src.device.type == "cpu":
             with span("load.h2d", bytes=c.region.numel * item):

@@ -240,7 +240,12 @@ class Stager:
         self.versions = [_versions(w) for w in self._watched]  # the state at save() time
         self.cuda = any(s.is_cuda for s in self.sources)
         self.device = caller_device() if self.cuda else None
-        self._caller_streams = {d: torch.cuda.current_stream(d) for d in cuda_devices(self.sources)}
+        # The caller's pending work on each source device, marked here, on its own thread, at
+        # save(): the copy waits for exactly that. Waiting on the stream itself from the thread
+        # that copies (an overlapped save's, later) would also wait for every kernel training
+        # queued since, and the copy would no longer overlap the next step.
+        self._caller_marks = {d: torch.cuda.current_stream(d).record_event()
+                              for d in cuda_devices(self.sources)}
         self.error: BaseException | None = None
         self._cancelled = threading.Event()
         self.nbytes = sum(s.numel() * s.element_size() for s in self.sources)
@@ -285,16 +290,21 @@ class Stager:
                 "handle.wait_snapshot() before changing saved tensors outside optimizer.step() and "
                 "module forward, or save with snapshot='blocking'")
 
+    def _side_streams(self) -> dict[torch.device, Any]:
+        """One copy stream per source device, each behind the caller's work at save()."""
+        sides = {}
+        for dev, mark in self._caller_marks.items():
+            with torch.cuda.device(dev):
+                sides[dev] = torch.cuda.Stream(dev)
+                sides[dev].wait_event(mark)
+        return sides
+
     def _run_cuda(self, on_queued: Any = None) -> None:
         # D2H on one side stream per source device, each first waiting for the caller's stream
         # on that device: a copy of a tensor on cuda:k runs on device k's current stream, so
         # a stream (and events) on any other device would neither wait for nor cover it.
         # record_stream keeps the caching allocator from reusing a source before its copy.
-        sides = {}
-        for dev, caller in self._caller_streams.items():
-            with torch.cuda.device(dev):
-                sides[dev] = torch.cuda.Stream(dev)
-                sides[dev].wait_stream(caller)
+        sides = self._side_streams()
         last: dict[torch.device, Any] = {}
         for i, (src, piece) in enumerate(zip(self.sources, self.pieces)):
             if self._cancelled.is_set():

@@ -193,12 +193,7 @@ class CappedStager(Stager):
             self.fail(self.error)
 
     def _run(self, on_queued: Any) -> None:
-        sides: dict[torch.device, Any] = {}
-        if self.cuda:
-            for dev, caller in self._caller_streams.items():
-                with torch.cuda.device(dev):
-                    sides[dev] = torch.cuda.Stream(dev)
-                    sides[dev].wait_stream(caller)
+        sides = self._side_streams() if self.cuda else {}
         last: dict[torch.device, Any] = {}
         for i in self.order:
             src = self.sources[i]

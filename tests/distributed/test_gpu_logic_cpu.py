@@ -20,7 +20,7 @@ import torch
 import bytecheckpoint as bcp
 from bytecheckpoint.engine import save as save_mod
 from bytecheckpoint.engine import staging
-from bytecheckpoint.engine.load_pipeline import BoxRead, Copy, LoadPipeline, direct_target
+from bytecheckpoint.engine.load_pipeline import BoxRead, Copy, LoadPipeline, copy_out, direct_target
 from bytecheckpoint.engine.read_plan import ReadUnit
 from bytecheckpoint.engine.transport import use_nccl
 from bytecheckpoint.format.boxes import Box
@@ -394,3 +394,24 @@ def test_cuda_events_are_blocking():
                 if not (blocking and isinstance(blocking[0].value, ast.Constant) and blocking[0].value.value):
                     spinning.append(f"{path}:{node.lineno}")
     assert not spinning, f"torch.cuda.Event without blocking=True: {spinning}"
+
+
+@pytest.mark.parametrize("lo", [0, 20], ids=["whole-box", "from-row-1"])
+@pytest.mark.parametrize("at", [0, 4096, 4160])
+def test_copy_out_reads_a_box_buffer_that_is_a_slice_of_an_arena(at, lo):
+    """Boxes bound for CUDA targets are read into slices of one pinned window arena; the copy
+    into the target must start at the slice, not at the arena's first byte. (On a GPU every
+    box after a window's first loaded the bytes before it: a weight came back shifted by its
+    bias.) A CPU target takes the same copy here."""
+    n = 6 * 5
+    saved = torch.arange(n, dtype=torch.float32)
+    held = saved.view(torch.uint8)[lo:]  # the buffer holds bytes [lo, end) of the box
+    arena = torch.full((at + len(held) + 64,), 0xEE, dtype=torch.uint8)  # poison around it
+    arena[at : at + len(held)] = held
+    box = Box((0, 0), (6, 5))
+    region = Box((1, 2), (4, 3))  # a resharded target: rows 1..4, columns 2..4
+    shard = LocalShard(region, torch.zeros(4, 3))
+    read = BoxRead("model/w", "f", 0, 4 * n, lo, 4 * n, (), torch.float32, box, [Copy(region, shard)])
+    read.buffer = arena[at : at + len(held)]
+    copy_out(read)
+    assert torch.equal(shard.data, saved.view(6, 5)[1:5, 2:5])

@@ -7,6 +7,7 @@ rot unnoticed. What can be checked without a GPU is in tests/distributed/test_gp
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue
 from typing import Any
 
@@ -44,7 +45,7 @@ def _nccl_run(world: int, fn: Any, *args: Any, timeout: float = 300.0) -> list[A
                 pytest.fail(f"{fn.__name__} hung: no answer from ranks {silent}")
             if not ok:
                 pytest.fail(f"{fn.__name__} failed on rank {rank}:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)  # the test's own worker's bytes
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -129,3 +130,39 @@ def test_oom_in_the_nccl_window_fails_every_rank(tmp_path):
 def test_load_on_an_nccl_subgroup(tmp_path):
     results = _nccl_run(4, g.nccl_subgroup_roundtrip, str(tmp_path / "c"))
     assert results == [True, True, None, None]
+
+
+# -- overlapped snapshots and NCCL loads on one GPU -----------------------------------------
+
+
+@needs_gpus(1, "an overlapped save's D2H copy against GPU work queued after save() returned")
+def test_overlapped_copy_does_not_wait_for_work_queued_after_save(tmp_path):
+    got = g.overlapped_copy_ahead_of_later_work(str(tmp_path / "c"))
+    assert got["snapshot_done"] and got["exact"]
+    # the copy waited for the caller's work at save(), not for the 2 s kernel queued after it
+    assert got["later_work_running"], "the snapshot waited for work queued after save()"
+
+
+@needs_gpus(1, "an overlapped save of a CUDA model with AdamW stepping on the next line")
+@pytest.mark.parametrize("cap", [None, 4 << 20], ids=["arena", "bounded-4MiB"])
+def test_overlapped_cuda_snapshot_is_the_state_at_save(tmp_path, cap):
+    got = g.overlapped_step_right_after_save(str(tmp_path / "c"), cap)
+    assert got["moved_after_save"] > 0  # the steps after save() changed the live state
+    assert got["compared"] == 6 * 2 + 6 * 2 * 3  # the model, then AdamW's step, exp_avg, exp_avg_sq
+    assert got["differs"] == []
+    if cap is not None:
+        assert 0 < got["staging_bytes"] <= cap
+
+
+ONE_GPU_CASES = [("fsdp2", False, True), ("ddp", False, False), ("fsdp2", True, False)]
+
+
+@needs_gpus(1, "an NCCL save and load on a world of one GPU")
+@pytest.mark.parametrize("framework,offload,fused", ONE_GPU_CASES)
+def test_nccl_load_on_one_gpu(tmp_path, framework, offload, fused):
+    root = str(tmp_path / "c")
+    expected = _nccl_run(1, g.nccl_save, root, framework, offload, fused)[0]
+    [result] = _nccl_run(1, g.nccl_load, root, framework, offload, fused)
+    assert result["transport"] == ("gloo" if offload else "nccl")
+    assert len(result["state"]) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(expected, result["state"]))

@@ -5,6 +5,7 @@ many tests."""
 
 from __future__ import annotations
 
+import pickle
 import time
 from datetime import timedelta
 from typing import Any
@@ -154,7 +155,10 @@ def nccl_worker(rank: int, world: int, port: int, task: tuple[str, str, tuple], 
                             world_size=world, timeout=timedelta(seconds=120))
     module, name, args = task
     try:
-        results.put((rank, True, getattr(importlib.import_module(module), name)(*args)))
+        value = getattr(importlib.import_module(module), name)(*args)
+        # Plain pickle bytes: a tensor put on the queue as is travels as a file descriptor
+        # that this process must still serve when the parent reads it, after it has exited.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -170,6 +174,15 @@ def _cuda_state(device: torch.device, seed: int, mb: int = 64) -> dict[str, torc
             "empty": torch.empty(0, device=device)}
 
 
+def _as_module(tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """``tensors`` as the buffers of a module: a module's tensors are saved one by one, through
+    the staging arena (a plain dict would be saved as one packed object)."""
+    holder = nn.Module()
+    for k, v in tensors.items():
+        holder.register_buffer(f"t_{k}", v)  # "half" alone would clash with Module.half
+    return holder
+
+
 def cuda_save_roundtrip(root: str, device_index: int, set_device: bool, async_save: bool) -> bool:
     """Save tensors on ``cuda:device_index`` (with or without set_device in the caller),
     clobber them as soon as save returns, and load them back bit for bit."""
@@ -178,13 +191,13 @@ def cuda_save_roundtrip(root: str, device_index: int, set_device: bool, async_sa
         torch.cuda.set_device(device)
     state = _cuda_state(device, seed=1)
     expected = {k: v.cpu().clone() for k, v in state.items()}
-    out = bcp.save(root, {"model": state}, async_save=async_save, overwrite=True)
+    out = bcp.save(root, {"model": _as_module(state)}, async_save=async_save, overwrite=True)
     for v in state.values():
         v.fill_(7)  # training goes on
     if async_save:
         out.wait()  # type: ignore[union-attr]
     into = {k: torch.zeros_like(v) for k, v in state.items()}
-    bcp.load(root, {"model": into})
+    bcp.load(root, {"model": _as_module(into)})
     return all(torch.equal(into[k].cpu(), expected[k]) for k in expected)
 
 
@@ -199,23 +212,24 @@ def cuda_save_after_pending_work(root: str, side_stream: bool, async_save: bool)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the fill runs
         x.fill_(3.0)
-        out = bcp.save(root, {"x": x}, async_save=async_save, overwrite=True)
+        out = bcp.save(root, {"model": _as_module({"x": x})}, async_save=async_save, overwrite=True)
         x.fill_(-1.0)
     if async_save:
         out.wait()  # type: ignore[union-attr]
     torch.cuda.synchronize()
     into = {"x": torch.zeros_like(x)}
-    bcp.load(root, into)
+    bcp.load(root, {"model": _as_module(into)})
     return bool((into["x"] == 3.0).all().item())
 
 
 def pinned_bytes_after_growth(root: str) -> dict[str, int]:
     """Two saves, the second larger: the staging arena is pinned at its exact size and the
     caching host allocator holds nothing for it."""
+    staging.release_pools()  # an earlier test's larger save may have grown the arena
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     device = torch.device("cuda", torch.cuda.current_device())
-    bcp.save(f"{root}/a", {"x": torch.ones(3 << 20, device=device)})  # 12 MiB
-    bcp.save(f"{root}/b", {"x": torch.ones(5 << 20, device=device)})  # 20 MiB
+    bcp.save(f"{root}/a", {"model": _as_module({"x": torch.ones(3 << 20, device=device)})})  # 12 MiB
+    bcp.save(f"{root}/b", {"model": _as_module({"x": torch.ones(5 << 20, device=device)})})  # 20 MiB
     pool = staging.pool(True)
     return {"capacity": pool.capacity, "pinned": int(pool.is_pinned),
             "host_cache": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before}
@@ -323,11 +337,78 @@ def cuda_rank_roundtrip(root: str, async_save: bool) -> bool:
     device = torch.device("cuda", dist.get_rank())
     state = _cuda_state(device, seed=3, mb=16)  # replicated: the same values on every rank
     expected = {k: v.cpu().clone() for k, v in state.items()}
-    out = bcp.save(root, {"model": state}, framework="ddp", async_save=async_save, overwrite=True)
+    out = bcp.save(root, {"model": _as_module(state)}, framework="ddp", async_save=async_save,
+                   overwrite=True)
     for v in state.values():
         v.fill_(7)
     if async_save:
         out.wait()  # type: ignore[union-attr]
     into = {k: torch.zeros_like(v) for k, v in state.items()}
-    bcp.load(root, {"model": into}, framework="ddp")
+    bcp.load(root, {"model": _as_module(into)}, framework="ddp")
     return all(torch.equal(into[k].cpu(), expected[k]) for k in expected)
+
+
+# -- overlapped snapshots on one GPU (issue 21) ----------------------------------------------
+
+
+def overlapped_copy_ahead_of_later_work(root: str) -> dict[str, Any]:
+    """An overlapped save, then ~2 s of GPU work queued on the caller's stream right after
+    save() returns. The copy waits only for the work queued before save(), so the snapshot is
+    done while that later work still runs; the bytes are those of the call."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    state = _cuda_state(device, seed=4, mb=64)
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    handle = bcp.save(root, {"model": _as_module(state)}, async_save=True, snapshot="overlapped",
+                      overwrite=True)
+    torch.cuda._sleep(4_000_000_000)  # about 2 s of GPU time at H100 clocks
+    snapshot_done = handle.wait_snapshot(timeout=120)
+    later_work_running = not torch.cuda.current_stream().query()
+    for v in state.values():
+        v.fill_(7)  # allowed once wait_snapshot() returned
+    handle.wait()
+    torch.cuda.synchronize()
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(root, {"model": _as_module(into)})
+    return {"snapshot_done": snapshot_done, "later_work_running": later_work_running,
+            "exact": all(torch.equal(into[k].cpu(), expected[k]) for k in expected)}
+
+
+def _mlp_adam(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)]).cuda()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _backward(model: nn.Module, k: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(100 + k)
+    model(torch.randn(32, 1024, device="cuda", generator=g)).square().mean().backward()
+
+
+def overlapped_step_right_after_save(root: str, cap: int | None) -> dict[str, Any]:
+    """Gradients are ready at save(); the optimizer steps on the very next line, and once more
+    after another backward. The checkpoint must hold the state of the call, bit for bit, with
+    the copy through the whole arena or in rounds through a bounded one (``cap`` bytes)."""
+    from tests.support.helpers import same_bits
+
+    model, optim = _mlp_adam(0)
+    for k in range(2):
+        _backward(model, k)
+        optim.step()
+        optim.zero_grad()
+    _backward(model, 2)
+    ref = _full(model, optim)
+    handle = bcp.save(root, {"model": model, "optimizer": optim}, async_save=True,
+                      snapshot="overlapped", staging_max_bytes=cap, overwrite=True)
+    optim.step()
+    optim.zero_grad()
+    _backward(model, 3)
+    optim.step()
+    result = handle.wait()
+    moved = sum(not same_bits(a, b) for a, b in zip(ref, _full(model, optim)))
+    fresh, fresh_optim = _mlp_adam(9)
+    _backward(fresh, 0)
+    fresh_optim.step()  # optimizer state exists to load into
+    bcp.load(root, {"model": fresh, "optimizer": fresh_optim})
+    got = _full(fresh, fresh_optim)
+    return {"differs": [i for i, (a, b) in enumerate(zip(ref, got)) if not same_bits(a, b)],
+            "compared": len(ref), "moved_after_save": moved, "staging_bytes": result.staging_bytes}
