@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run (docs/gpu.md): the GPU tests, then the
+# training-loop cost of a checkpoint on the GPU (bench/gpu_loop_cost.py).
+#
+#   ./scripts/gpu_check.sh              # logs and figures under $OUT (default /tmp/bcp-gpu-check)
+#   GPU_CHECK_MODELS="1.3gb" ./scripts/gpu_check.sh
+#
+# It uses the machine's own Python with PyTorch (PYTHON, default python3); packages that
+# Python lacks may be given as wheels in .whl/ (a machine with no package index).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/bcp-gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/bcp-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/bcp-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
+df -h "${TMPDIR:-/tmp}" | tail -1
+
+status=0
+"$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 300 \
+    tests/distributed/test_gpu_paths.py tests/distributed/test_overlapped_snapshot.py \
+    tests/unit/test_direct_writes.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+
+for model in ${GPU_CHECK_MODELS:-3.56gb 1.3gb}; do
+    timeout "${GPU_CHECK_BENCH_S:-240}" "$PY" bench/gpu_loop_cost.py --model "$model" \
+        --saves "${GPU_CHECK_SAVES:-5}" --json "$OUT/loop_$model.json" 2>&1 \
+        | tee "$OUT/loop_$model.log" || status=1
+done
+exit $status
