@@ -37,6 +37,7 @@ from ..format.boxes import Box, element_span, row_major_strides
 from ..format.checksums import bad_chunks
 from ..format.file_headers import DIRECT_PADDING
 from ..planners import LocalShard
+from ..runtime import devices
 from ..runtime.devices import on_device
 from ..storage import Storage
 from .read_plan import ReadUnit
@@ -398,6 +399,8 @@ class LoadPipeline:
                 continue
             if self.batched and u.box in exchanged:
                 out[u.box] = "device"
+            elif devices.PRETEND_CUDA_TARGETS:
+                out[u.box] = "pinned"
             elif read.direct is not None:
                 out[u.box] = "direct"
             elif any(c.target.data.is_cuda for c in read.copies):

@@ -19,6 +19,10 @@ import torch
 # group when a load chooses its transport, with host memory as its "device". The choice and
 # the batched exchange then run over gloo, so tests on CPU can check that every rank agrees.
 PRETEND_CUDA = False
+# Test seam: a rank that sets this places every box it loads as it would for CUDA targets:
+# read into the load's (here unpinned) window arena, then copied out into the targets. That
+# path is otherwise taken on GPUs only, and a CPU run would not see a fault in it.
+PRETEND_CUDA_TARGETS = False
 
 
 @contextlib.contextmanager

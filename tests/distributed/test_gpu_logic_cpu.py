@@ -27,6 +27,7 @@ from bytecheckpoint.format.boxes import Box
 from bytecheckpoint.planners import LocalShard
 from bytecheckpoint.state import extra
 from tests.support import gpu_workloads as g
+from tests.support.helpers import same_bits
 
 PACKAGE = Path(bcp.__file__).parent
 
@@ -415,3 +416,14 @@ def test_copy_out_reads_a_box_buffer_that_is_a_slice_of_an_arena(at, lo):
     read.buffer = arena[at : at + len(held)]
     copy_out(read)
     assert torch.equal(shard.data, saved.view(6, 5)[1:5, 2:5])
+
+
+@pytest.mark.parametrize("saved,loaded", [(2, 2), (2, 3)])
+def test_loads_through_the_window_arena_are_exact(world, tmp_path, saved, loaded):
+    """The path of CUDA targets (boxes read into slices of the window arena, then copied out),
+    run on CPU through the test seam, same layout and resharded, compared bit for bit."""
+    root = str(tmp_path / "c")
+    ref = world(saved).run(g.fsdp2_save_for_windows, root)[0]
+    for got in world(loaded).run(g.fsdp2_load_through_windows, root):
+        tensors = [k for k, v in ref.items() if isinstance(v, torch.Tensor)]
+        assert len(tensors) > 10 and all(same_bits(ref[k], got[k]) for k in tensors)

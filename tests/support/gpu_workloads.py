@@ -412,3 +412,24 @@ def overlapped_step_right_after_save(root: str, cap: int | None) -> dict[str, An
     got = _full(fresh, fresh_optim)
     return {"differs": [i for i, (a, b) in enumerate(zip(ref, got)) if not same_bits(a, b)],
             "compared": len(ref), "moved_after_save": moved, "staging_bytes": result.staging_bytes}
+
+
+# -- the CUDA targets' load path, on CPU ------------------------------------------------------
+
+
+def fsdp2_save_for_windows(root: str) -> dict[str, Any]:
+    from tests.support.workloads import fsdp2_train_save
+
+    return fsdp2_train_save(root, steps=2)["ref"]
+
+
+def fsdp2_load_through_windows(root: str) -> dict[str, Any]:
+    """Load as a rank with CUDA targets does: every box into the window arena, then copied
+    out (``devices.PRETEND_CUDA_TARGETS``)."""
+    from tests.support.workloads import fsdp2_load
+
+    devices.PRETEND_CUDA_TARGETS = True
+    try:
+        return fsdp2_load(f"{root}/step_2", with_extra=False)["state"]
+    finally:
+        devices.PRETEND_CUDA_TARGETS = False
