@@ -42,6 +42,7 @@ from __future__ import annotations
 import enum
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -221,10 +222,25 @@ def _before_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
         snap.before_write()
 
 
+def warn_if_graph_capturable(state: dict[str, Any]) -> None:
+    """An optimizer step replayed from a CUDA graph runs no Python hook and bumps no version
+    counter, so neither the wait nor the check of an overlapped snapshot sees it. A saved
+    optimizer built with ``capturable=True`` may be stepped that way: say what to do."""
+    for key, value in state.items():
+        if isinstance(value, torch.optim.Optimizer) and any(
+                g.get("capturable") for g in value.param_groups):
+            warnings.warn(
+                f"state[{key!r}] is an optimizer with capturable=True: a step replayed from a CUDA "
+                "graph is not seen by snapshot='overlapped' (no hook runs, no version counter "
+                "moves). Call handle.wait_snapshot() before replaying such a graph, or save with "
+                "snapshot='blocking'", RuntimeWarning, stacklevel=5)
+
+
 def begin(state: dict[str, Any], changed: Callable[[], str | None]) -> Snapshot:
     """A snapshot of ``state`` starts: training's writers wait for it from now on.
     ``changed()`` names a saved tensor whose counter moved since save(), or None."""
     global _ACTIVE, _STEP_HOOK
+    warn_if_graph_capturable(state)
     snap = Snapshot()
     snap.changed = changed
     with _LOCK:

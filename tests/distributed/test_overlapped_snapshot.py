@@ -391,3 +391,20 @@ def test_cuda_side_stream_snapshot_is_the_state_at_save(tmp_path):
     fresh = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
     bcp.load(str(tmp_path / "g"), {"model": fresh}, strict=False)
     assert all(same_bits(v.cpu(), ref[k]) for k, v in fresh.state_dict().items())
+
+
+def test_a_capturable_optimizer_gets_the_cuda_graph_rule(tmp_path):
+    """A step replayed from a CUDA graph runs no hook: the save says what to do instead."""
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.AdamW(model.parameters(), capturable=True)
+    with pytest.warns(RuntimeWarning, match="capturable=True.*wait_snapshot"):
+        handle = bcp.save(str(tmp_path / "c"), {"model": model, "optimizer": optim},
+                          async_save=True, snapshot="overlapped")
+    handle.wait(timeout=60)
+    plain = torch.optim.AdamW(model.parameters())
+    import warnings as w
+
+    with w.catch_warnings():
+        w.simplefilter("error", RuntimeWarning)
+        bcp.save(str(tmp_path / "d"), {"model": model, "optimizer": plain},
+                 async_save=True, snapshot="overlapped").wait(timeout=60)
