@@ -300,8 +300,8 @@ class Stager:
         return sides
 
     def _run_cuda(self, on_queued: Any = None) -> None:
-        # D2H on one side stream per source device, each first waiting for the caller's stream
-        # on that device: a copy of a tensor on cuda:k runs on device k's current stream, so
+        # D2H on one side stream per source device, each first waiting for the caller's work
+        # on that device at save(): a copy of a tensor on cuda:k runs on device k's current stream, so
         # a stream (and events) on any other device would neither wait for nor cover it.
         # record_stream keeps the caching allocator from reusing a source before its copy.
         sides = self._side_streams()
