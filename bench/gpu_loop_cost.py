@@ -49,82 +49,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import MODELS, free_port  # noqa: E402
-from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
+from bench.train_loop_cost import MODES as SYSTEMS  # noqa: E402
+from bench.train_loop_cost import BcpPending, make_fsdp, make_system  # noqa: E402
+from demo.model import GPTConfig, batch, loss_fn  # noqa: E402
 
 MODES = ("ours-overlapped", "ours-blocking", "dcp-async", "dcp-async-cached", "dcp-async-staged")
 PAIRS = (("ours-overlapped", "dcp-async"), ("ours-overlapped", "dcp-async-cached"),
          ("ours-overlapped", "dcp-async-staged"), ("ours-blocking", "dcp-async"),
          ("ours-blocking", "dcp-async-cached"))
-
-
-def make_model(cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    mesh = init_device_mesh(device.type, (1,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-
-class Saver:
-    """One mode's save call; ``save`` returns (done(), wait(), before_step())."""
-
-    def __init__(self, mode: str, model: Any, optim: Any) -> None:
-        self.mode, self.model, self.optim = mode, model, optim
-        self.stager: Any = None
-        self.stage_s: list[float] = []  # ours: the D2H copy of each save (its "stage" phase)
-        if mode == "dcp-async-staged":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=cuda))
-        if mode.startswith("dcp"):
-            self.group = dist.new_group(backend="gloo")  # DCP's background collectives
-
-    def save(self, path: str, step: int) -> tuple[Any, Any, Any, list[float]]:
-        """(done, wait, before_step, [commit time]) of a save started now."""
-        end: list[float] = []
-        if self.mode.startswith("ours"):
-            import bytecheckpoint as bcp
-
-            snapshot = "overlapped" if self.mode == "ours-overlapped" else "blocking"
-            t_call = time.perf_counter()
-            h = bcp.save(path, {"model": self.model, "optimizer": self.optim}, framework="fsdp2",
-                         step=step, async_save=True, snapshot=snapshot, overwrite=True)
-
-            def wait() -> None:
-                if not end:
-                    r = h.wait()
-                    end.append(t_call + r.duration_s)  # the save's own clock: call to commit
-                    self.stage_s.append(r.phases.get("stage", 0.0))
-            return h.done, wait, None, end
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(self.model, self.optim)
-        writer = dcp.FileSystemWriter(path, sync_files=True,
-                                      cache_staged_state_dict=self.mode == "dcp-async-cached")
-        out = dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer,
-                             process_group=self.group, async_stager=self.stager)
-        fut, before = out, None
-        if hasattr(out, "upload_completion"):
-            fut, before = out.upload_completion, out.staging_completion.result
-        fut.add_done_callback(lambda _f: end.append(time.perf_counter()))
-
-        def wait_dcp() -> None:
-            fut.result()
-            while not end:
-                time.sleep(0.001)
-        return fut.done, wait_dcp, before, end
-
-    def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
 
 
 def step_once(model: Any, optim: Any, cfg: GPTConfig, step: int, size: int, device: torch.device,
@@ -141,50 +73,51 @@ def step_once(model: Any, optim: Any, cfg: GPTConfig, step: int, size: int, devi
 
 def run_loop(mode: str | None, model: Any, optim: Any, cfg: GPTConfig, args: Any, every: int,
              device: torch.device, root: str) -> dict[str, Any]:
-    saver = Saver(mode, model, optim) if mode else None
+    """One loop with a save every ``every`` steps (``mode``: a row of train_loop_cost's MODES;
+    None: no saves): per step its time and span, per save its return, window and D2H time."""
+    system = make_system(SYSTEMS[mode], model, optim) if mode else None
     path = os.path.join(root, mode or "none")
-    steps = every * (args.saves + 1) if saver else args.baseline_steps
-    returns, totals, times, spans, windows = [], [], [], [], []
-    pending: tuple[Any, ...] | None = None
-    before = None
-    if saver is not None:  # untimed: staging memory is allocated, the plan is made
-        _, wait, b, _ = saver.save(path + "-warm", 0)
-        if b is not None:
-            b()
-        wait()
+    steps = every * (args.saves + 1) if system else args.baseline_steps
+    returns, totals, times, spans, windows, stage_s = [], [], [], [], [], []
+    pending: Any = None
+
+    def finish(p: Any) -> None:  # one save in flight at a time: the loop waits for the last
+        p.wait()
+        totals.append(p.finished_at - p.t_call)
+        windows.append((p.t_call, p.finished_at))
+        if isinstance(p, BcpPending):
+            stage_s.append(p.result.phases.get("stage", 0.0))
+
+    if system is not None:  # untimed: staging memory is allocated, the plan is made
+        warm = system.save(path + "-warm", 0)
+        if warm.before_step is not None:
+            warm.before_step()
+        warm.wait()
         shutil.rmtree(path + "-warm", ignore_errors=True)
     for s in range(args.settle_steps):
         step_once(model, optim, cfg, 10_000 + s, args.batch, device)
     for s in range(steps):
         t0 = time.perf_counter()
-        if saver is not None and s % every == 0 and s // every < args.saves:
-            if pending is not None:
-                pending[1]()  # one save in flight at a time: the loop waits for the last
-                totals.append(pending[3][0] - pending[4])
-                windows.append((pending[4], pending[3][0]))
-                pending = None
-            t = time.perf_counter()
-            done, wait, before, end = saver.save(os.path.join(path, str(s)), s)
-            returns.append(time.perf_counter() - t)
-            pending = (done, wait, before, end, t)
-        step_once(model, optim, cfg, s, args.batch, device, before)
         before = None
+        if system is not None and s % every == 0 and s // every < args.saves:
+            if pending is not None:
+                finish(pending)
+            pending = system.save(os.path.join(path, str(s)), s)
+            returns.append(time.perf_counter() - pending.t_call)
+            before = pending.before_step
+        step_once(model, optim, cfg, s, args.batch, device, before)
         t1 = time.perf_counter()
         times.append(t1 - t0)
         spans.append((t0, t1))
-        if pending is not None and not pending[3] and pending[0]():
-            pending[1]()  # finished: its commit time is known now
     t0 = time.perf_counter()
     if pending is not None:
-        pending[1]()
-        totals.append(pending[3][0] - pending[4])
-        windows.append((pending[4], pending[3][0]))
+        finish(pending)
     tail = time.perf_counter() - t0
-    if saver is not None:
-        saver.close()
+    if system is not None:
+        system.close()
     shutil.rmtree(path, ignore_errors=True)
     return {"steps": times, "spans": spans, "windows": windows, "tail": tail, "returns": returns,
-            "totals": totals, "stage_s": saver.stage_s if saver is not None else []}
+            "totals": totals, "stage_s": stage_s}
 
 
 def own_extra(r: dict[str, Any]) -> float | None:
@@ -228,7 +161,7 @@ def main() -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=timedelta(seconds=600))
     cfg = MODELS[args.model]
-    model, optim = make_model(cfg, device)
+    model, optim = make_fsdp(cfg, device)
     for s in range(args.settle_steps):  # optimizer state exists, kernels are compiled
         step_once(model, optim, cfg, 20_000 + s, args.batch, device)
     state_gb = sum(t.numel() * t.element_size() for t in model.parameters()) * 3 / 1e9

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -402,9 +403,7 @@ def test_a_capturable_optimizer_gets_the_cuda_graph_rule(tmp_path):
                           async_save=True, snapshot="overlapped")
     handle.wait(timeout=60)
     plain = torch.optim.AdamW(model.parameters())
-    import warnings as w
-
-    with w.catch_warnings():
-        w.simplefilter("error", RuntimeWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
         bcp.save(str(tmp_path / "d"), {"model": model, "optimizer": plain},
                  async_save=True, snapshot="overlapped").wait(timeout=60)
