@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from telemetry import span
 
-from ..errors import CorruptCheckpointError, RankFailedError
+from ..errors import CorruptCheckpointError, PlanningError, RankFailedError
 from ..format.boxes import Box, element_span, row_major_strides
 from ..format.checksums import bad_chunks
 from ..format.file_headers import DIRECT_PADDING
@@ -100,11 +100,18 @@ def copy_out(read: BoxRead, non_blocking: bool = False) -> None:
     values = read.buffer.view(read.dtype) if read.buffer.numel() else torch.empty(0, dtype=read.dtype)
     # as_strided places its view from the start of the storage, not of ``values``: a box
     # buffer is often a slice of a window arena (CUDA targets), so its own offset is added.
-    base = values.storage_offset() - read.lo // item
+    # Its bounds are then checked against the whole arena, so they are checked here against
+    # the buffer: a region outside it would read a neighbouring box's bytes.
+    held = range(read.lo // item, read.lo // item + values.numel())
+    base = values.storage_offset() - held.start
     strides = row_major_strides(read.box.lengths)
     for c in read.copies:
         rel = c.region.relative_to(read.box)
-        first, _ = element_span(rel, read.box.lengths)
+        first, end = element_span(rel, read.box.lengths)
+        if end > first and (first not in held or end - 1 not in held):
+            raise PlanningError(f"{read.key}: the load plan copies elements {first}..{end} of a box "
+                                f"from a buffer holding {held.start}..{held.stop}; nothing was "
+                                "copied from it (an internal error: please report it)")
         src = values.as_strided(rel.lengths, strides, base + first)
         dst = c.target.data[c.region.relative_to(c.target.box).slices()]
         if dst.device.type == "cuda" and src.device.type == "cpu":

@@ -23,6 +23,7 @@ from bytecheckpoint.engine import staging
 from bytecheckpoint.engine.load_pipeline import BoxRead, Copy, LoadPipeline, copy_out, direct_target
 from bytecheckpoint.engine.read_plan import ReadUnit
 from bytecheckpoint.engine.transport import use_nccl
+from bytecheckpoint.errors import PlanningError
 from bytecheckpoint.format.boxes import Box
 from bytecheckpoint.planners import LocalShard
 from bytecheckpoint.state import extra
@@ -427,3 +428,16 @@ def test_loads_through_the_window_arena_are_exact(world, tmp_path, saved, loaded
     for got in world(loaded).run(g.fsdp2_load_through_windows, root):
         tensors = [k for k, v in ref.items() if isinstance(v, torch.Tensor)]
         assert len(tensors) > 10 and all(same_bits(ref[k], got[k]) for k in tensors)
+
+
+def test_copy_out_refuses_a_region_outside_its_buffer():
+    """The arena around a box buffer holds other boxes: a region past the buffer must not be
+    copied from them (torch checks bounds against the whole arena only)."""
+    arena = torch.arange(64, dtype=torch.float32)
+    box = Box((0,), (16,))
+    shard = LocalShard(Box((0,), (16,)), torch.zeros(16))
+    read = BoxRead("model/w", "f", 0, 64, 8 * 4, 64, (), torch.float32, box, [Copy(box, shard)])
+    read.buffer = arena.view(torch.uint8)[64:96]  # holds elements 8..15 only
+    with pytest.raises(PlanningError, match="copies elements 0..16 .* holding 8..16"):
+        copy_out(read)
+    assert torch.equal(shard.data, torch.zeros(16))
