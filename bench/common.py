@@ -4,15 +4,14 @@ that turn per-rank figures into one (max or sum over ranks)."""
 from __future__ import annotations
 
 import os
-import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from demo.model import GPTConfig
+from tests.support.dist import free_port  # noqa: F401  (re-exported: the benches' one port finder)
+from tests.support.helpers import env_set  # noqa: F401  (re-exported: the tests' own)
 
 MODELS = {
     "small": GPTConfig(vocab_size=8003, context=32, dim=256, heads=4, layers=4, mlp_ratio=3),
@@ -34,27 +33,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-@contextmanager
-def env_set(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the block, then restore what was there."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def max_over_ranks(x: float) -> float:

@@ -16,6 +16,7 @@ import torch
 
 from tests.support import gpu_workloads as g
 from tests.support.dist import free_port
+from tests.support.helpers import assert_same_state
 
 pytestmark = pytest.mark.gpu
 
@@ -105,8 +106,7 @@ def test_nccl_load(tmp_path, framework, offload, fused, saved, loaded):
     # NCCL unless a rank has no CUDA tensor (CPU offload): then every rank uses gloo
     assert {r["transport"] for r in results} == {"gloo" if offload else "nccl"}
     for r in results:
-        assert len(r["state"]) == len(expected)
-        assert all(torch.equal(a, b) for a, b in zip(expected, r["state"]))
+        assert_same_state(expected, r["state"])
 
 
 @needs_gpus(3, "an NCCL load as the group's first operation, with ranks that post nothing")
@@ -114,7 +114,8 @@ def test_nccl_load_as_the_groups_first_operation(tmp_path):
     root = str(tmp_path / "c")
     expected = _nccl_run(2, g.nccl_save, root, "fsdp2", False, False)[0]
     results = _nccl_run(3, g.nccl_load, root, "fsdp2", False, False)  # resharded: uneven plan
-    assert all(all(torch.equal(a, b) for a, b in zip(expected, r["state"])) for r in results)
+    for r in results:
+        assert_same_state(expected, r["state"])
 
 
 @needs_gpus(2, "an out-of-memory error inside the NCCL load window, raised on every rank")
@@ -164,5 +165,4 @@ def test_nccl_load_on_one_gpu(tmp_path, framework, offload, fused):
     expected = _nccl_run(1, g.nccl_save, root, framework, offload, fused)[0]
     [result] = _nccl_run(1, g.nccl_load, root, framework, offload, fused)
     assert result["transport"] == ("gloo" if offload else "nccl")
-    assert len(result["state"]) == len(expected)
-    assert all(torch.equal(a, b) for a, b in zip(expected, result["state"]))
+    assert_same_state(expected, result["state"])

@@ -18,6 +18,7 @@ import bytecheckpoint as bcp
 from bytecheckpoint.engine import load_pipeline, staging
 from bytecheckpoint.runtime import devices
 from bytecheckpoint.runtime.comm import Communicator, Outcome
+from tests.support import workloads as w
 
 
 def _model_and_adam(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -268,24 +269,12 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer) -> None:
     optim.zero_grad()
 
 
-def _full(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    def whole(t: torch.Tensor) -> torch.Tensor:
-        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
-
-    out = [whole(t) for t in model.state_dict().values()]
-    for s in optim.state.values():
-        out += [whole(v) for v in s.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
 def nccl_save(root: str, framework: str, offload: bool, fused: bool) -> list[torch.Tensor]:
     make = _fsdp2 if framework == "fsdp2" else _ddp
     model, optim = make(0, offload, fused)
     _train(model, optim)
     bcp.save(root, {"model": model, "optimizer": optim}, framework=framework, overwrite=True)
-    return _full(model, optim)
+    return w.full_state(model, optim)
 
 
 def nccl_load(root: str, framework: str, offload: bool, fused: bool) -> dict[str, Any]:
@@ -293,7 +282,7 @@ def nccl_load(root: str, framework: str, offload: bool, fused: bool) -> dict[str
     model, optim = make(9, offload, fused)
     _train(model, optim)  # creates the optimizer state (step is a CPU scalar unless fused)
     result = bcp.load(root, {"model": model, "optimizer": optim}, framework=framework)
-    return {"transport": result.transport, "state": _full(model, optim)}
+    return {"transport": result.transport, "state": w.full_state(model, optim)}
 
 
 def nccl_load_with_oom(root: str, failing_rank: int) -> dict[str, Any]:
@@ -396,7 +385,7 @@ def overlapped_step_right_after_save(root: str, cap: int | None) -> dict[str, An
         optim.step()
         optim.zero_grad()
     _backward(model, 2)
-    ref = _full(model, optim)
+    ref = w.full_state(model, optim)
     handle = bcp.save(root, {"model": model, "optimizer": optim}, async_save=True,
                       snapshot="overlapped", staging_max_bytes=cap, overwrite=True)
     optim.step()
@@ -404,14 +393,17 @@ def overlapped_step_right_after_save(root: str, cap: int | None) -> dict[str, An
     _backward(model, 3)
     optim.step()
     result = handle.wait()
-    moved = sum(not same_bits(a, b) for a, b in zip(ref, _full(model, optim)))
+    tensors = [k for k, v in ref.items() if isinstance(v, torch.Tensor)]
+    after = w.full_state(model, optim)
+    moved = sum(not same_bits(ref[k], after[k]) for k in tensors)
     fresh, fresh_optim = _mlp_adam(9)
     _backward(fresh, 0)
     fresh_optim.step()  # optimizer state exists to load into
     bcp.load(root, {"model": fresh, "optimizer": fresh_optim})
-    got = _full(fresh, fresh_optim)
-    return {"differs": [i for i, (a, b) in enumerate(zip(ref, got)) if not same_bits(a, b)],
-            "compared": len(ref), "moved_after_save": moved, "staging_bytes": result.staging_bytes}
+    got = w.full_state(fresh, fresh_optim)
+    assert sorted(got) == sorted(ref), set(got) ^ set(ref)
+    return {"differs": [k for k in tensors if not same_bits(ref[k], got[k])],
+            "compared": len(tensors), "moved_after_save": moved, "staging_bytes": result.staging_bytes}
 
 
 # -- the CUDA targets' load path, on CPU ------------------------------------------------------
