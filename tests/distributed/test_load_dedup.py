@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from bytecheckpoint.commit.integrity import read_metadata, resolve
 from bytecheckpoint.engine.read_plan import Need, plan_reads, windows
 from tests.support import workloads as w
-from tests.support.helpers import assert_same_state, payload_bytes
+from tests.support.helpers import assert_same_state, file_payload, payload_bytes
 
 
 @st.composite
@@ -71,7 +71,7 @@ def test_windows_never_split_a_box():
     assert [[u.box_offset for u in g] for g in groups] == [[0, 0, 0], [100]]
 
 
-def test_ddp_load_on_4_ranks_reads_the_checkpoint_exactly_once(world, tmp_path):
+def test_ddp_load_on_4_ranks_reads_the_checkpoint_once_each_rank_its_own_files(world, tmp_path):
     root = str(tmp_path / "ddp")
     saved = world(4).run(w.ddp_train_save, root, 2)
     storage, path = resolve(root)
@@ -84,3 +84,6 @@ def test_ddp_load_on_4_ranks_reads_the_checkpoint_exactly_once(world, tmp_path):
     assert sum(per_rank) == payload_bytes(path)
     assert sum(per_rank) <= meta.total_bytes
     assert max(per_rank) <= 1.3 * sum(per_rank) / 4, per_rank
+    # Early reads (load_pipeline.Prefetch): each rank reads exactly the files it wrote.
+    own = [sum(file_payload(path, f.name)[1] for f in meta.files if f.rank == rank) for rank in range(4)]
+    assert per_rank == own

@@ -1,42 +1,15 @@
 """Reads that start before the read plan is agreed (``load_pipeline.Prefetch``): a rank reads
-what it needs of the files it wrote, so in a DDP load each rank reads exactly its own files,
-the checkpoint is still read once in all, and a corrupt byte in a box read early is still
-refused by name on every rank."""
+what it needs of the files it wrote (in a DDP load exactly its own files: test_load_dedup),
+and a corrupt byte in a box read early is still refused by name on every rank."""
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 
 from bytecheckpoint.commit.integrity import read_metadata, resolve
 from tests.support import prefetch_workloads as pw
 from tests.support import workloads as w
-from tests.support.helpers import assert_same_state, payload_bytes
-
-
-def _payload(path: str, name: str) -> tuple[int, int]:
-    """(first payload byte, payload bytes) of one safetensors storage file; padding entries,
-    which no load reads into a tensor, are not payload."""
-    with open(os.path.join(path, name), "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    padding = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
-                  if k.startswith("__padding__/"))
-    return 8 + n, os.path.getsize(os.path.join(path, name)) - 8 - n - padding
-
-
-def test_ddp_load_each_rank_reads_the_files_it_wrote_once(world, tmp_path):
-    root = str(tmp_path / "ddp")
-    saved = world(4).run(w.ddp_train_save, root, 2)
-    storage, path = resolve(root)
-    meta = read_metadata(storage, path)
-    loaded = world(4).run(w.ddp_load, root)
-    for r in loaded:
-        assert_same_state(saved[0]["ref"], r["state"])
-    own = [sum(_payload(path, f.name)[1] for f in meta.files if f.rank == rank) for rank in range(4)]
-    assert [r["bytes_read"] for r in loaded] == own
-    assert sum(own) == payload_bytes(path)
+from tests.support.helpers import file_payload
 
 
 def test_a_corrupt_byte_in_a_box_read_early_is_refused_on_every_rank(world, tmp_path):
@@ -45,7 +18,7 @@ def test_a_corrupt_byte_in_a_box_read_early_is_refused_on_every_rank(world, tmp_
     storage, path = resolve(f"{root}/step_1")
     meta = read_metadata(storage, path)
     name = max((f for f in meta.files if f.rank == 1), key=lambda f: f.size).name
-    start, size = _payload(path, name)
+    start, size = file_payload(path, name)
     with open(os.path.join(path, name), "r+b") as f:  # one byte in the middle of rank 1's data
         f.seek(start + size // 2)
         byte = f.read(1)

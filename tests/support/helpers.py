@@ -29,19 +29,21 @@ def assert_same_state(ref: dict[str, Any], got: dict[str, Any]) -> None:
             assert value == got[key], f"{key}: {value!r} != {got[key]!r}"
 
 
+def file_payload(ckpt_dir: str, name: str) -> tuple[int, int]:
+    """(first payload byte, payload bytes) of one safetensors storage file: its size without
+    the header and the padding entries, neither of which a load reads into a tensor."""
+    with open(os.path.join(ckpt_dir, name), "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    padding = sum(v["data_offsets"][1] - v["data_offsets"][0]
+                  for k, v in header.items() if k.startswith("__padding__/"))
+    return 8 + n, os.path.getsize(os.path.join(ckpt_dir, name)) - 8 - n - padding
+
+
 def payload_bytes(ckpt_dir: str) -> int:
-    """Sizes of the storage files without their safetensors headers and padding entries
-    (neither is read into a tensor on load)."""
-    total = 0
-    for name in os.listdir(ckpt_dir):
-        if name.endswith(".safetensors"):
-            with open(os.path.join(ckpt_dir, name), "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            padding = sum(v["data_offsets"][1] - v["data_offsets"][0]
-                          for k, v in header.items() if k.startswith("__padding__/"))
-            total += os.path.getsize(os.path.join(ckpt_dir, name)) - 8 - n - padding
-    return total
+    """The payload (``file_payload``) of every storage file of a checkpoint."""
+    return sum(file_payload(ckpt_dir, name)[1] for name in os.listdir(ckpt_dir)
+               if name.endswith(".safetensors"))
 
 
 @contextmanager
