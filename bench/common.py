@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from demo.model import GPTConfig
+from demo.model import GPT, GPTConfig
 from tests.support.dist import free_port  # noqa: F401  (re-exported: the benches' one port finder)
 from tests.support.helpers import env_set  # noqa: F401  (re-exported: the tests' own)
 
@@ -22,6 +22,23 @@ MODELS = {
     "3.56gb": GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=22, mlp_ratio=3),
 }
 DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def make_fsdp(cfg: GPTConfig, seed: int = 0, device: torch.device | None = None, lr: float = 1e-4
+              ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The benchmarks' workload: the GPT sharded with FSDP2 (each block, then the whole) over
+    the world, on ``device`` (CPU by default), with AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = device or torch.device("cpu")
+    torch.manual_seed(seed)
+    model = GPT(cfg).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def drop_caches() -> bool:

@@ -27,25 +27,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import drop_caches  # noqa: E402
-from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
+from bench.common import drop_caches, make_fsdp  # noqa: E402
+from demo.model import GPTConfig, batch, loss_fn  # noqa: E402
 
 MEDIUM = GPTConfig(vocab_size=16003, context=32, dim=512, heads=8, layers=8, mlp_ratio=3)
 SMALL = GPTConfig(vocab_size=8003, context=32, dim=256, heads=4, layers=4, mlp_ratio=3)
-
-
-
-def _model(cfg: GPTConfig, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def _rank(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int, out: dict) -> None:
@@ -58,7 +44,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=600))
-    model, optim = _model(cfg, 0)
+    model, optim = make_fsdp(cfg, 0, lr=1e-3)
     inputs, targets = batch(cfg, 0, rank)
     loss_fn(model, inputs, targets).backward()
     optim.step()
@@ -67,7 +53,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int
     del model, optim, msd, osd
 
     def with_dcp() -> None:
-        m, o = _model(cfg, 1)
+        m, o = make_fsdp(cfg, 1, lr=1e-3)
         init_optimizer_state(o)  # dcp.load fills existing state, as bcp.load does
         msd, osd = get_state_dict(m, o)
         state = {"model": msd, "optimizer": osd}
@@ -75,7 +61,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, path: str, reps: int
         set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def with_bcp() -> None:
-        m, o = _model(cfg, 1)
+        m, o = make_fsdp(cfg, 1, lr=1e-3)
         bcp.load(path, {"model": m, "optimizer": o})
 
     times: dict[str, list[float]] = {"dcp.load": [], "bcp.load": []}

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import drop_caches, max_over_ranks, sum_over_ranks  # noqa: E402
+from bench.common import drop_caches, make_fsdp, max_over_ranks, sum_over_ranks  # noqa: E402
 from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
 
 FULL = GPTConfig(vocab_size=32003, context=64, dim=1024, heads=16, layers=22, mlp_ratio=3)
@@ -90,20 +90,6 @@ def init(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
-
-
-def make_fsdp(cfg: GPTConfig, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return model, optim
 
 
 def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, cfg: GPTConfig, step: int,

@@ -59,11 +59,12 @@ from bench.common import (  # noqa: E402
     env_set,
     free_port,
     gather,
+    make_fsdp,
     max_over_ranks,
     status_kb,
     sum_over_ranks,
 )
-from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
+from demo.model import GPTConfig, batch, loss_fn  # noqa: E402
 
 READ_CALL = 4 << 20  # bytes per preadv call, as the engine's local backend reads
 SWEEP = (1, 2, 4, 8, 16)
@@ -210,16 +211,7 @@ def release_memory() -> None:
 
 
 def make_state(cfg: GPTConfig, seed: int) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optim = make_fsdp(cfg, seed)
     inputs, targets = batch(cfg, seed, dist.get_rank(), size=1)
     loss_fn(model, inputs[:, :8], targets[:, :8]).backward()  # AdamW state exists
     optim.step()

@@ -76,7 +76,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import DROP_CACHES, MODELS, drop_caches, env_set, free_port, gather, status_kb  # noqa: E402
+from bench.common import DROP_CACHES, MODELS, drop_caches, env_set, free_port, gather, make_fsdp, status_kb  # noqa: E402
 from demo.model import GPT, GPTConfig, batch, loss_fn  # noqa: E402
 
 WORLD = 4
@@ -145,21 +145,6 @@ def cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
-
-
-def make_fsdp(cfg: GPTConfig, device: torch.device | None = None
-              ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    device = device or torch.device("cpu")
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, cfg: GPTConfig, step: int,

@@ -50,7 +50,7 @@ from ..storage import Storage, Writer
 from ..storage.wrapper import StorageWrapper
 from .dcp_metadata import DCP_METADATA_FILE, DcpMetadata, DcpTensor, parse_dcp_metadata
 from .safe_pickle import UnsafePickleError
-from .torch_zip import TorchBlobError, locate_tensor, read_plain_value
+from .torch_zip import BlobEnds, TorchBlobError, locate_tensor, read_plain_value
 
 log = logging.getLogger("bytecheckpoint.interop")
 
@@ -213,11 +213,19 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
         raise CheckpointError(f"{source}: two DCP entries map to one bytecheckpoint key; the "
                               "checkpoint's state-dict paths are ambiguous")
     jobs = [(c, t) for _, t in tensors for c in t.chunks]
+    # Every blob's head and zip directory, a few requests per file (BlobEnds).
+    blobs: dict[str, list[tuple[int, int]]] = {}
+    for c, _ in jobs:
+        blobs.setdefault(c.file, []).append((c.offset, c.length))
+    with ThreadPoolExecutor(_LOCATE_THREADS) as pool:
+        ends = dict(zip(blobs, pool.map(lambda f: BlobEnds(storage, posixpath.join(root, f), blobs[f]),
+                                        blobs)))
 
     def locate(job: tuple[Any, DcpTensor]) -> tuple[int, int]:
         c, t = job
         where = f"{source}: chunk {c.offsets} of {t.fqn!r} ({c.file} at {c.offset})"
-        loc = locate_tensor(storage, posixpath.join(root, c.file), c.offset, c.length, source=where)
+        loc = locate_tensor(storage, posixpath.join(root, c.file), c.offset, c.length, source=where,
+                            ends=ends[c.file])
         if loc.dtype != t.dtype or loc.shape != c.sizes:
             raise TorchBlobError(f"{where}: the blob holds a {loc.dtype} tensor of shape {loc.shape}, "
                                  f"the metadata declares {t.dtype} {c.sizes}")

@@ -11,6 +11,7 @@ through :mod:`.safe_pickle`, the zip directory through :mod:`zipfile` (which run
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import struct
@@ -49,14 +50,56 @@ class TensorLocation:
     length: int
 
 
+class BlobEnds:
+    """The head and tail blocks (``_BLOCK``) of many blobs of one file, read in a few
+    coalesced requests, where a blob read alone costs two (its head, then its zip directory):
+    a DCP file of hundreds of small tensors is then a handful of reads. Ends less than ``gap``
+    apart are read as one request of at most ``max_read`` bytes. A request that fails is
+    left out: its blobs read their ends themselves, and fail there with their own error."""
+
+    def __init__(self, storage: Storage, path: str, blobs: list[tuple[int, int]],
+                 gap: int = 64 << 10, max_read: int = 8 << 20) -> None:
+        wanted: list[tuple[int, int]] = []
+        for start, length in blobs:
+            last = max(0, (length - 1) // _BLOCK)
+            wanted.append((start, start + min(length, _BLOCK)))
+            wanted.append((start + max(0, last - 1) * _BLOCK, start + length))  # the directory
+        merged: list[list[int]] = []
+        for lo, hi in sorted(wanted):
+            if merged and lo - merged[-1][1] <= gap and max(hi, merged[-1][1]) - merged[-1][0] <= max_read:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self._starts: list[int] = []
+        self._data: list[bytes] = []
+        for lo, hi in merged:
+            try:
+                data = bytes(storage.read(path, lo, hi - lo))
+            except Exception:  # noqa: BLE001 (see the class: the blob's own read names it)
+                continue
+            self._starts.append(lo)
+            self._data.append(data)
+
+    def get(self, offset: int, n: int) -> bytes | None:
+        """Bytes ``[offset, offset + n)`` of the file, or None where they were not read."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset + n > self._starts[i] + len(self._data[i]):
+            return None
+        lo = offset - self._starts[i]
+        return self._data[i][lo : lo + n]
+
+
 class _Window(io.RawIOBase):
     """A read-only, seekable view of ``[start, start + length)`` of a storage file; the first
-    and last block are read once and cached (zipfile reads small pieces of both)."""
+    and last block are read once and cached (zipfile reads small pieces of both), or taken
+    from ``ends`` where they were read with other blobs' (``BlobEnds``)."""
 
-    def __init__(self, storage: Storage, path: str, start: int, length: int) -> None:
+    def __init__(self, storage: Storage, path: str, start: int, length: int,
+                 ends: BlobEnds | None = None) -> None:
         self.storage, self.path, self.start, self.length = storage, path, start, length
         self.pos = 0
         self._cache: dict[int, bytes] = {}
+        self._ends = ends
 
     def readable(self) -> bool:
         return True
@@ -76,7 +119,9 @@ class _Window(io.RawIOBase):
         if index not in self._cache:
             lo = index * _BLOCK
             n = min(_BLOCK, self.length - lo)
-            self._cache[index] = bytes(self.storage.read(self.path, self.start + lo, n))
+            known = self._ends.get(self.start + lo, n) if self._ends is not None else None
+            self._cache[index] = known if known is not None else bytes(
+                self.storage.read(self.path, self.start + lo, n))
         return self._cache[index]
 
     def read(self, size: int = -1) -> bytes:
@@ -139,8 +184,9 @@ def _persistent(source: str) -> Any:
 class _Blob:
     """The zip directory of one blob and its records' places."""
 
-    def __init__(self, storage: Storage, path: str, start: int, length: int, source: str) -> None:
-        self.window = _Window(storage, path, start, length)
+    def __init__(self, storage: Storage, path: str, start: int, length: int, source: str,
+                 ends: BlobEnds | None = None) -> None:
+        self.window = _Window(storage, path, start, length, ends)
         self.start, self.length, self.source = start, length, source
         try:
             self.zip = zipfile.ZipFile(self.window)  # reads only the directory
@@ -191,10 +237,12 @@ class _Blob:
         return start, info.file_size
 
 
-def locate_tensor(storage: Storage, path: str, start: int, length: int, *, source: str) -> TensorLocation:
+def locate_tensor(storage: Storage, path: str, start: int, length: int, *, source: str,
+                  ends: BlobEnds | None = None) -> TensorLocation:
     """Where the tensor saved by ``torch.save`` at ``path[start:start+length]`` keeps its bytes.
-    Only row-major (contiguous) little-endian tensors are taken; anything else is refused."""
-    blob = _Blob(storage, path, start, length, source)
+    Only row-major (contiguous) little-endian tensors are taken; anything else is refused.
+    ``ends``: this blob's ends, read already with others of its file."""
+    blob = _Blob(storage, path, start, length, source, ends)
     try:
         order = blob.read("byteorder", 16)
     except TorchBlobError:

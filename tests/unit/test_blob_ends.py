@@ -1,0 +1,106 @@
+"""``torch_zip.BlobEnds``: the heads and zip directories of a DCP file's blobs read in a few
+coalesced requests. Every byte it hands out is the file's, a failed request falls back to the
+blob's own reads, and a translation made with it equals one made blob by blob."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bytecheckpoint.interop import dcp_load
+from bytecheckpoint.interop.dcp_metadata import parse_dcp_metadata
+from bytecheckpoint.interop.torch_zip import BlobEnds, locate_tensor
+from bytecheckpoint.storage.local import LocalStorage
+
+
+class CountingStorage(LocalStorage):
+    def __init__(self) -> None:
+        super().__init__(fsync=False)
+        self.reads = 0
+
+    def read_into(self, path, offset, buffer):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        return super().read_into(path, offset, buffer)
+
+
+def _many_small_tensors(root: str) -> None:
+    state = {f"layer{i}.w{j}": torch.randn(40, 40) for i in range(40) for j in range(3)}
+    state["big"] = torch.randn(512, 512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=root, no_dist=True)
+
+
+def _chunks(root: str):
+    with open(os.path.join(root, ".metadata"), "rb") as f:
+        meta = parse_dcp_metadata(f.read(), source=root)
+    return meta, [c for t in meta.tensors.values() for c in t.chunks]
+
+
+def test_a_file_of_small_blobs_is_read_in_a_few_requests_with_the_same_translation(tmp_path):
+    root = str(tmp_path / "dcp")
+    _many_small_tensors(root)
+    meta, chunks = _chunks(root)
+    storage = CountingStorage()
+    blob_by_blob = [locate_tensor(storage, os.path.join(root, c.file), c.offset, c.length, source="x")
+                    for c in chunks]
+    alone = storage.reads
+    assert alone >= 2 * len(chunks)  # a head and a directory each
+
+    storage.reads = 0
+    ends = {f: BlobEnds(storage, os.path.join(root, f), [(c.offset, c.length) for c in chunks if c.file == f])
+            for f in {c.file for c in chunks}}
+    together = [locate_tensor(storage, os.path.join(root, c.file), c.offset, c.length, source="x",
+                              ends=ends[c.file]) for c in chunks]
+    assert together == blob_by_blob
+    # 121 blobs: the small ones' ends are one request, the large one's head and directory two
+    assert storage.reads <= 4, storage.reads
+
+    class NoEnds(BlobEnds):
+        def get(self, offset: int, n: int) -> bytes | None:
+            return None
+
+    translated = dcp_load.translate(storage, root, meta, source=root)[0]
+    try:  # the same metadata, byte for byte, as a translation whose blobs read their own ends
+        dcp_load.BlobEnds = NoEnds  # type: ignore[misc]
+        assert dcp_load.translate(storage, root, meta, source=root)[0].to_bytes() == translated.to_bytes()
+    finally:
+        dcp_load.BlobEnds = BlobEnds  # type: ignore[misc]
+
+
+def test_a_request_that_fails_falls_back_to_the_blobs_own_reads(tmp_path):
+    root = str(tmp_path / "dcp")
+    _many_small_tensors(root)
+    _, chunks = _chunks(root)
+    name = chunks[0].file
+    path = os.path.join(root, name)
+    size = os.path.getsize(path)
+    mine = [(c.offset, c.length) for c in chunks if c.file == name]
+    storage = CountingStorage()
+    # a blob claimed past the end of the file, next to the real ones: their shared request fails
+    ends = BlobEnds(storage, path, mine + [(size - 100, 10_000)])
+    assert ends.get(size - 100, 10) is None
+    for c in chunks:
+        if c.file == name:
+            assert locate_tensor(storage, path, c.offset, c.length, source="x", ends=ends) == \
+                locate_tensor(storage, path, c.offset, c.length, source="x")
+
+
+@settings(max_examples=60, deadline=None)
+@given(blobs=st.lists(st.tuples(st.integers(0, 40_000), st.integers(1, 20_000)), min_size=1, max_size=12),
+       queries=st.lists(st.tuples(st.integers(0, 70_000), st.integers(1, 9_000)), min_size=1, max_size=20),
+       gap=st.sampled_from([0, 512, 64 << 10]))
+def test_every_byte_handed_out_is_the_files(tmp_path_factory, blobs, queries, gap):
+    path = str(tmp_path_factory.mktemp("ends") / "f")
+    data = os.urandom(50_000)  # shorter than some blobs claim: their requests fail
+    with open(path, "wb") as f:
+        f.write(data)
+    ends = BlobEnds(LocalStorage(fsync=False), path, blobs, gap=gap, max_read=16_384)
+    for offset, n in queries:
+        got = ends.get(offset, n)
+        assert got is None or got == data[offset : offset + n]
