@@ -59,6 +59,8 @@ FILE_PREFIX = "dcp"
 CHUNK_BYTES = 1 << 40  # one placeholder checksum per box: DCP has none (never checked)
 _RANK = re.compile(r"^__(\d+)_")
 _LOCATE_THREADS = 8
+# Blobs whose ends are read together (BlobEnds): at most three 4 KiB blocks each are held.
+_LOCATE_BATCH = 512
 MAX_OBJECT_BYTES = 64 << 20
 
 
@@ -213,19 +215,11 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
         raise CheckpointError(f"{source}: two DCP entries map to one bytecheckpoint key; the "
                               "checkpoint's state-dict paths are ambiguous")
     jobs = [(c, t) for _, t in tensors for c in t.chunks]
-    # Every blob's head and zip directory, a few requests per file (BlobEnds).
-    blobs: dict[str, list[tuple[int, int]]] = {}
-    for c, _ in jobs:
-        blobs.setdefault(c.file, []).append((c.offset, c.length))
-    with ThreadPoolExecutor(_LOCATE_THREADS) as pool:
-        ends = dict(zip(blobs, pool.map(lambda f: BlobEnds(storage, posixpath.join(root, f), blobs[f]),
-                                        blobs)))
 
-    def locate(job: tuple[Any, DcpTensor]) -> tuple[int, int]:
-        c, t = job
+    def locate(c: Any, t: DcpTensor, ends: BlobEnds) -> tuple[int, int]:
         where = f"{source}: chunk {c.offsets} of {t.fqn!r} ({c.file} at {c.offset})"
         loc = locate_tensor(storage, posixpath.join(root, c.file), c.offset, c.length, source=where,
-                            ends=ends[c.file])
+                            ends=ends)
         if loc.dtype != t.dtype or loc.shape != c.sizes:
             raise TorchBlobError(f"{where}: the blob holds a {loc.dtype} tensor of shape {loc.shape}, "
                                  f"the metadata declares {t.dtype} {c.sizes}")
@@ -233,8 +227,26 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
             raise TorchBlobError(f"{where}: the tensor's bytes run past its blob")
         return loc.offset, loc.length
 
+    def locate_batch(batch: list[int]) -> list[tuple[int, int]]:
+        # The batch's blobs (one file's, in file order) have their ends read together first.
+        first = jobs[batch[0]][0]
+        ends = BlobEnds(storage, posixpath.join(root, first.file),
+                        [(jobs[j][0].offset, jobs[j][0].length) for j in batch])
+        return [locate(*jobs[j], ends) for j in batch]
+
+    in_file_order = sorted(range(len(jobs)), key=lambda j: (jobs[j][0].file, jobs[j][0].offset))
+    batches: list[list[int]] = []
+    for j in in_file_order:
+        if batches and len(batches[-1]) < _LOCATE_BATCH and jobs[batches[-1][0]][0].file == jobs[j][0].file:
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    found: list[tuple[int, int] | None] = [None] * len(jobs)
     with ThreadPoolExecutor(_LOCATE_THREADS) as pool:
-        located = iter(list(pool.map(locate, jobs)))
+        for batch, places in zip(batches, pool.map(locate_batch, batches)):
+            for j, place in zip(batch, places):
+                found[j] = place
+    located = iter(found)
 
     file_index = {FILE_PREFIX + name: i for i, name in enumerate(files)}
     tmeta: list[TensorMeta] = []

@@ -54,8 +54,10 @@ class BlobEnds:
     """The head and tail blocks (``_BLOCK``) of many blobs of one file, read in a few
     coalesced requests, where a blob read alone costs two (its head, then its zip directory):
     a DCP file of hundreds of small tensors is then a handful of reads. Ends less than ``gap``
-    apart are read as one request of at most ``max_read`` bytes. A request that fails is
-    left out: its blobs read their ends themselves, and fail there with their own error."""
+    apart are read as one request of at most ``max_read`` bytes; only the ends are kept (at
+    most three blocks a blob), so the memory is the blobs' count's, not their bytes'. A request
+    that fails is left out: its blobs read their ends themselves, and fail there with their
+    own error."""
 
     def __init__(self, storage: Storage, path: str, blobs: list[tuple[int, int]],
                  gap: int = 64 << 10, max_read: int = 8 << 20) -> None:
@@ -64,21 +66,23 @@ class BlobEnds:
             last = max(0, (length - 1) // _BLOCK)
             wanted.append((start, start + min(length, _BLOCK)))
             wanted.append((start + max(0, last - 1) * _BLOCK, start + length))  # the directory
-        merged: list[list[int]] = []
-        for lo, hi in sorted(wanted):
-            if merged and lo - merged[-1][1] <= gap and max(hi, merged[-1][1]) - merged[-1][0] <= max_read:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
+        keep = _merged(wanted, 0, None)  # the bytes kept: the ends, overlaps joined
         self._starts: list[int] = []
         self._data: list[bytes] = []
-        for lo, hi in merged:
+        for lo, hi in _merged(keep, gap, max_read):
             try:
-                data = bytes(storage.read(path, lo, hi - lo))
+                data = memoryview(storage.read(path, lo, hi - lo))
             except Exception:  # noqa: BLE001 (see the class: the blob's own read names it)
                 continue
-            self._starts.append(lo)
-            self._data.append(data)
+            for k_lo, k_hi in keep[bisect.bisect_left(keep, [lo]) :]:
+                if k_lo >= hi:
+                    break
+                self._starts.append(k_lo)
+                self._data.append(bytes(data[k_lo - lo : k_hi - lo]))
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(len(d) for d in self._data)
 
     def get(self, offset: int, n: int) -> bytes | None:
         """Bytes ``[offset, offset + n)`` of the file, or None where they were not read."""
@@ -87,6 +91,18 @@ class BlobEnds:
             return None
         lo = offset - self._starts[i]
         return self._data[i][lo : lo + n]
+
+
+def _merged(ranges: list[tuple[int, int]] | list[list[int]], gap: int, most: int | None) -> list[list[int]]:
+    """``ranges`` sorted and joined where less than ``gap`` bytes apart (overlapping at
+    ``gap`` 0), no joined range longer than ``most`` unless one range alone is."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo - out[-1][1] <= gap and (most is None or max(hi, out[-1][1]) - out[-1][0] <= most):
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
 
 
 class _Window(io.RawIOBase):

@@ -91,6 +91,24 @@ def test_a_request_that_fails_falls_back_to_the_blobs_own_reads(tmp_path):
                 locate_tensor(storage, path, c.offset, c.length, source="x")
 
 
+def test_only_the_ends_are_held(tmp_path):
+    """Blobs of 40 KiB, read in merged requests: what stays in memory is their ends (at most
+    three 4 KiB blocks a blob), not the bytes between them."""
+    path = str(tmp_path / "f")
+    data = os.urandom(200 * 40_960)
+    with open(path, "wb") as f:
+        f.write(data)
+    blobs = [(i * 40_960, 40_960) for i in range(200)]
+    storage = CountingStorage()
+    ends = BlobEnds(storage, path, blobs)
+    assert storage.reads <= 2  # 8 MB of blobs, at most 8 MiB a request
+    assert ends.held_bytes <= 3 * 4096 * len(blobs) < len(data) // 3
+    for start, length in blobs:
+        assert ends.get(start, 4096) == data[start : start + 4096]
+        assert ends.get(start + length - 8192, 8192) == data[start + length - 8192 : start + length]
+        assert ends.get(start + 4096, 8192) is None  # the middle was read, and let go
+
+
 @settings(max_examples=60, deadline=None)
 @given(blobs=st.lists(st.tuples(st.integers(0, 40_000), st.integers(1, 20_000)), min_size=1, max_size=12),
        queries=st.lists(st.tuples(st.integers(0, 70_000), st.integers(1, 9_000)), min_size=1, max_size=20),
