@@ -74,11 +74,12 @@ class BlobEnds:
                 data = memoryview(storage.read(path, lo, hi - lo))
             except Exception:  # noqa: BLE001 (see the class: the blob's own read names it)
                 continue
-            for k_lo, k_hi in keep[bisect.bisect_left(keep, [lo]) :]:
-                if k_lo >= hi:
-                    break
+            k = bisect.bisect_left(keep, [lo])
+            while k < len(keep) and keep[k][0] < hi:  # the kept ranges inside this request
+                k_lo, k_hi = keep[k]
                 self._starts.append(k_lo)
                 self._data.append(bytes(data[k_lo - lo : k_hi - lo]))
+                k += 1
 
     @property
     def held_bytes(self) -> int:
