@@ -248,10 +248,29 @@ class _Blob:
         if name != info.filename.encode():
             raise TorchBlobError(f"{self.source}: record {info.filename!r} has another name in its "
                                  "local header")
+        # The extra field's length places the record's bytes, and no checksum guards them (DCP
+        # stores none): it must be the chain of (id, size) entries it frames, as torch.save
+        # writes it, or a flipped length would move every byte of the tensor unseen.
+        if not _extra_chain(self.window.read(m), m):
+            raise TorchBlobError(f"{self.source}: record {info.filename!r} has a malformed extra "
+                                 "field in its local header; the blob is damaged")
         start = info.header_offset + 30 + n + m
         if start + info.file_size > self.length:
             raise TorchBlobError(f"{self.source}: record {info.filename!r} runs past the blob's end")
         return start, info.file_size
+
+
+def _extra_chain(extra: bytes, length: int) -> bool:
+    """Whether ``extra`` is ``length`` bytes of zip extra-field entries (id, size, data)."""
+    if len(extra) != length:
+        return False
+    at = 0
+    while at < length:
+        if at + 4 > length:
+            return False
+        (size,) = struct.unpack_from("<H", extra, at + 2)
+        at += 4 + size
+    return at == length
 
 
 def locate_tensor(storage: Storage, path: str, start: int, length: int, *, source: str,
