@@ -24,6 +24,7 @@ What the translation does:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import posixpath
 import re
@@ -235,18 +236,13 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
         return [locate(*jobs[j], ends) for j in batch]
 
     in_file_order = sorted(range(len(jobs)), key=lambda j: (jobs[j][0].file, jobs[j][0].offset))
-    batches: list[list[int]] = []
-    for j in in_file_order:
-        if batches and len(batches[-1]) < _LOCATE_BATCH and jobs[batches[-1][0]][0].file == jobs[j][0].file:
-            batches[-1].append(j)
-        else:
-            batches.append([j])
-    found: list[tuple[int, int] | None] = [None] * len(jobs)
+    batches = [same[i : i + _LOCATE_BATCH]
+               for _, group in itertools.groupby(in_file_order, key=lambda j: jobs[j][0].file)
+               for same in [list(group)] for i in range(0, len(same), _LOCATE_BATCH)]
+    found: dict[int, tuple[int, int]] = {}
     with ThreadPoolExecutor(_LOCATE_THREADS) as pool:
         for batch, places in zip(batches, pool.map(locate_batch, batches)):
-            for j, place in zip(batch, places):
-                found[j] = place
-    located = iter(found)
+            found.update(zip(batch, places))
 
     file_index = {FILE_PREFIX + name: i for i, name in enumerate(files)}
     tmeta: list[TensorMeta] = []
@@ -254,8 +250,8 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
     order = sorted(range(len(tensors)), key=lambda i: tensors[i][0])
     by_index = {id(t): i for i, (_, t) in enumerate(tensors)}
     placed: dict[int, list[tuple[Any, tuple[int, int]]]] = {i: [] for i in range(len(tensors))}
-    for c, t in jobs:
-        placed[by_index[id(t)]].append((c, next(located)))
+    for j, (c, t) in enumerate(jobs):
+        placed[by_index[id(t)]].append((c, found[j]))
     for new, i in enumerate(order):
         key, t = tensors[i]
         tmeta.append(TensorMeta(key, t.dtype, t.shape))
