@@ -4,6 +4,7 @@
 #
 #   ./scripts/gpu_check.sh              # logs and figures under $OUT (default /tmp/bcp-gpu-check)
 #   GPU_CHECK_MODELS="1.3gb" ./scripts/gpu_check.sh
+#   GPU_CHECK_SAVES=4 GPU_CHECK_EVERY_S=3 GPU_CHECK_BENCH_S=150 ./scripts/gpu_check.sh  # shorter
 #
 # It uses the machine's own Python with PyTorch (PYTHON, default python3); packages that
 # Python lacks may be given as wheels in .whl/ (a machine with no package index).
@@ -30,7 +31,7 @@ status=0
 
 for model in ${GPU_CHECK_MODELS:-3.56gb 1.3gb}; do
     timeout "${GPU_CHECK_BENCH_S:-240}" "$PY" bench/gpu_loop_cost.py --model "$model" \
-        --saves "${GPU_CHECK_SAVES:-5}" --json "$OUT/loop_$model.json" 2>&1 \
+        --saves "${GPU_CHECK_SAVES:-5}" --every-s "${GPU_CHECK_EVERY_S:-5}" --json "$OUT/loop_$model.json" 2>&1 \
         | tee "$OUT/loop_$model.log" || status=1
 done
 exit $status
