@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run (docs/gpu.md): the GPU tests, then the
-# training-loop cost of a checkpoint on the GPU (bench/gpu_loop_cost.py).
+# The checks that need a CUDA GPU, in one run (docs/gpu.md): the GPU tests, the profile of a
+# save's step (bench/save_step_profile.py), then the training-loop cost of a checkpoint on the
+# GPU (bench/gpu_loop_cost.py).
 #
 #   ./scripts/gpu_check.sh              # logs and figures under $OUT (default /tmp/bcp-gpu-check)
 #   GPU_CHECK_MODELS="1.3gb" ./scripts/gpu_check.sh
@@ -28,6 +29,11 @@ status=0
 "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 300 \
     tests/distributed/test_gpu_paths.py tests/distributed/test_overlapped_snapshot.py \
     tests/unit/test_direct_writes.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+
+for snapshot in overlapped blocking; do
+    timeout 120 "$PY" bench/save_step_profile.py --model 3.56gb --before 1 --after 3 \
+        --snapshot "$snapshot" 2>&1 | grep -v USDT | tee "$OUT/save_step_$snapshot.log" || status=1
+done
 
 for model in ${GPU_CHECK_MODELS:-3.56gb 1.3gb}; do
     timeout "${GPU_CHECK_BENCH_S:-240}" "$PY" bench/gpu_loop_cost.py --model "$model" \

@@ -3,8 +3,9 @@
 What needs a device runs in tests/distributed/test_gpu_paths.py; here: the load's transport agreed by
 every rank (gloo ranks pretend CUDA through ``devices.PRETEND_CUDA``), failures inside the
 load window and in the staging arena reaching every rank promptly, the sync save's staging
-thread joined, the pinned pool's fallback, RNG restore with fewer devices, and a static
-check that every thread the engine starts sets its CUDA device before any CUDA call.
+thread joined, the pinned pool's fallback, RNG restore with fewer devices, the groups the
+D2H copies are queued in, and a static check that every thread the engine starts sets its
+CUDA device before any CUDA call.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import bytecheckpoint as bcp
 from bytecheckpoint.engine import save as save_mod
@@ -27,6 +30,7 @@ from bytecheckpoint.errors import PlanningError
 from bytecheckpoint.format.boxes import Box
 from bytecheckpoint.planners import LocalShard
 from bytecheckpoint.state import extra
+from tests.fuzz.strategies import fuzz_settings
 from tests.support import gpu_workloads as g
 from tests.support.helpers import same_bits
 
@@ -441,3 +445,23 @@ def test_copy_out_refuses_a_region_outside_its_buffer():
     with pytest.raises(PlanningError, match="copies elements 0..16 .* holding 8..16"):
         copy_out(read)
     assert torch.equal(shard.data, torch.zeros(16))
+
+
+# -- D2H copies queued in groups, one event each -------------------------------------------
+
+
+@given(st.lists(st.tuples(st.sampled_from([None, "cuda:0", "cuda:1"]), st.integers(0, 100)),
+                max_size=40),
+       st.integers(1, 250))
+@fuzz_settings(200)
+def test_copy_groups_cut_runs_of_one_device_as_soon_as_they_reach_the_limit(sources, limit):
+    """Every source once, in order; a group is on one device and is cut at the first source
+    that brings it to the limit, or where the device changes."""
+    devices, sizes = [d for d, _ in sources], [n for _, n in sources]
+    groups = list(staging.copy_groups(devices, sizes, limit))
+    assert [i for _, run in groups for i in run] == list(range(len(sources)))
+    for k, (dev, run) in enumerate(groups):
+        assert run and all(devices[i] == dev for i in run)
+        assert sum(sizes[i] for i in run[:-1]) < limit  # not cut later than the limit says
+        if k + 1 < len(groups) and groups[k + 1][0] == dev:
+            assert sum(sizes[i] for i in run) >= limit  # nor earlier
