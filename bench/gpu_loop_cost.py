@@ -59,6 +59,16 @@ PAIRS = (("ours-overlapped", "dcp-async"), ("ours-overlapped", "dcp-async-cached
          ("ours-blocking", "dcp-async-cached"))
 
 
+def init_one_rank(device: torch.device) -> None:
+    """A world of one process on ``device`` (NCCL for CUDA, with gloo for host tensors)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=600))
+
+
 def step_once(model: Any, optim: Any, cfg: GPTConfig, step: int, size: int, device: torch.device,
               before_step: Any = None) -> None:
     inputs, targets = batch(cfg, step, 0, size=size)
@@ -154,12 +164,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=600))
+    init_one_rank(device)
     cfg = MODELS[args.model]
     model, optim = make_fsdp(cfg, device=device)
     for s in range(args.settle_steps):  # optimizer state exists, kernels are compiled

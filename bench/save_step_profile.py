@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MODELS, free_port, make_fsdp  # noqa: E402
-from bench.gpu_loop_cost import step_once  # noqa: E402
+from bench.common import MODELS, make_fsdp  # noqa: E402
+from bench.gpu_loop_cost import init_one_rank, step_once  # noqa: E402
 
 STEP_LABEL = "bench-step-"
 
@@ -101,11 +101,7 @@ def main() -> None:
     import bytecheckpoint as bcp
 
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    init_one_rank(device)
     try:
         cfg = MODELS[args.model]
         model, optim = make_fsdp(cfg, device=device)
