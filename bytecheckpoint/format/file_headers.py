@@ -117,7 +117,13 @@ def header_problem(storage: Storage, path: str, name: str, size: int, expected: 
 
 def _padding_problem(pads: list[Entry], want: list[Entry], limit: int) -> str | None:
     """A padding entry is U8 zeros of 1 to ``limit - 1`` bytes that overlaps no piece (the
-    zeros themselves are not read: they are no piece's bytes)."""
+    zeros themselves are not read: they are no piece's bytes), named by its place among the
+    file's padding entries (``__padding__/0`` first), as the writer names them: a renamed
+    one reads the same bytes, but its header was altered all the same."""
+    for i, (start, _end, _code, _shape, names) in enumerate(pads):
+        if names[0] != f"{PADDING_PREFIX}{i}":
+            return (f"its padding entry at byte {start} is named {names[0]!r}, not "
+                    f"'{PADDING_PREFIX}{i}' (padding entries are numbered in file order)")
     for start, end, code, shape, names in pads:
         if code != "U8" or shape != (end - start,) or not 0 < end - start < limit:
             return (f"its padding entry {names[0]!r} is {code} {list(shape)} at {start}..{end}, "

@@ -91,6 +91,20 @@ def test_an_altered_padding_entry_is_refused_by_name(saved, edit, says):
     assert any(says in p for p in bcp.verify(path))
 
 
+def test_a_renamed_padding_entry_is_refused_by_name(saved):
+    """Found by the long fuzz run (seed 1126): a flipped bit turned ``__padding__/0`` into
+    ``__padding__/8``; the entry still covered the same zeros, and verify passed the file."""
+    path, _ = saved
+    f, _, _, data_start = a_padding(path)
+    _, header = header_of(f)
+    first = f"{PADDING_PREFIX}0"
+    header = {(f"{PADDING_PREFIX}99" if k == first else k): v for k, v in header.items()}
+    write_header(f, header, data_start)
+    with pytest.raises(CorruptCheckpointError, match="named '__padding__/99', not '__padding__/0'"):
+        fresh_load(path)
+    assert any("named '__padding__/99'" in p for p in bcp.verify(path))
+
+
 def test_padding_in_a_checkpoint_that_says_format_2_is_an_unexpected_entry(saved):
     """Version 2 wrote no padding: there a padding entry is an entry the metadata lacks."""
     path, _ = saved
