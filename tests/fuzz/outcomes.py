@@ -56,16 +56,20 @@ class Tally:
 
     def add(self, target: str, result: Result, case: object) -> None:
         self.counts[(target, result.kind)] += 1
-        if result.bad and sum(1 for f in self.findings if f["target"] == target
-                              and f["kind"] == result.kind) < self.keep:
-            self.findings.append({"target": target, "kind": result.kind, "case": case,
-                                  "detail": result.detail})
+        if result.bad:
+            self._keep({"target": target, "kind": result.kind, "case": case, "detail": result.detail})
+
+    def _keep(self, finding: dict) -> None:
+        if sum(1 for f in self.findings if f["target"] == finding["target"]
+               and f["kind"] == finding["kind"]) < self.keep:
+            self.findings.append(finding)
 
     def merge(self, counts: dict, findings: list[dict]) -> None:
+        """Add another tally's counts and findings (its counts already include its findings)."""
         for key, n in counts.items():
             self.counts[tuple(key.split(":", 1)) if isinstance(key, str) else key] += n
         for f in findings:
-            self.add(f["target"], Result(f["kind"], f["detail"]), f["case"])
+            self._keep(f)
 
     @property
     def bad(self) -> int:
