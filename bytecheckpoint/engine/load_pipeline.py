@@ -41,7 +41,7 @@ from ..runtime import devices
 from ..runtime.devices import on_device
 from ..storage import Storage
 from .read_plan import ReadUnit
-from .staging import pool
+from .staging import pool, settle_streams
 
 DEFAULT_WINDOW_BYTES = 256 << 20
 # Bytes per sequential request of early reads: one local descriptor's worth
@@ -536,7 +536,16 @@ class LoadPipeline:
         try:
             return self._run_windows()
         finally:
+            self._settle_h2d()
             self._checks.close()  # after the readers: their last checks are queued by then
+
+    def _settle_h2d(self) -> None:
+        """Wait for the staged units' host-to-device copies, on every way out: a failed window
+        never reaches the exchange that orders them, and the pinned arena they read from goes
+        back to the pool for the next load, their device buffers to the caching allocator."""
+        if self._h2d is not None:
+            with on_device(self.device):
+                settle_streams({self.device: self._h2d})
 
     def _run_windows(self) -> PipelineResult:
         groups = balanced_windows(self.units, self.window_bytes)

@@ -213,6 +213,16 @@ def copy_groups(devices: list[Any], sizes: list[int], limit: int) -> Iterator[tu
         yield device, group
 
 
+def settle_streams(sides: dict[torch.device, Any]) -> None:
+    """Wait for everything queued on ``sides`` (a side stream per device) before a failed
+    copy returns: its queued D2H copies would otherwise go on landing in an arena that a later
+    save reuses. Called while an error propagates, so a failure of the wait itself is dropped:
+    the first error is the one to raise."""
+    for dev, side in sides.items():
+        with torch.cuda.device(dev), contextlib.suppress(Exception):
+            side.synchronize()
+
+
 def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int | None, ...]:
     """The tensors' version counters (bumped by every in-place write); None where a tensor
     has none (inference-mode tensors)."""
@@ -332,48 +342,49 @@ class Stager:
         # 3.56 GB state queued one by one with their own contexts and events took longer than
         # the DMA itself and stretched the save's step).
         sides = self._side_streams()
-        last: dict[torch.device, Any] = {}
         try:
-            devices = [src.device if src.is_cuda else None for src in self.sources]
-            sizes = [src.numel() * src.element_size() for src in self.sources]
-            for dev, group in copy_groups(devices, sizes, EVENT_BYTES):
-                if self._cancelled.is_set():
-                    break
-                if dev is None:  # host tensors among device ones: plain copies
-                    for i in group:
-                        self._check_unchanged(i)
-                        src = self.sources[i]
-                        if src.numel():
-                            self.pieces[i].data.view(src.dtype).view(src.shape).copy_(src)
-                        self.pieces[i]._ready.set()
-                    continue
-                side = sides[dev]
-                with torch.cuda.device(dev), torch.cuda.stream(side):
-                    for i in group:
-                        self._check_unchanged(i)
-                        src = self.sources[i]
-                        if src.numel():
-                            src.record_stream(side)
-                            self.pieces[i].data.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
-                    event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
-                    event.record(side)
-                for i in group:  # each piece's copy is covered by its group's event
-                    piece = self.pieces[i]
-                    piece._cuda_event, piece._device = event, dev
-                    piece._ready.set()
-                last[dev] = event
+            last = self._queue_copies(sides)
+            if on_queued is not None:  # from here training's writers only wait on these events,
+                on_queued(dict(last))  # so their version bumps are sanctioned: no check after this
         except BaseException:
-            # Copies already queued land in the arena: none may still be running once the
-            # save has failed and a later one reuses it.
-            for dev, side in sides.items():
-                with torch.cuda.device(dev), contextlib.suppress(Exception):  # the first error is
-                    side.synchronize()  # the one to raise
+            settle_streams(sides)  # no queued copy may still be landing once the save has failed
             raise
-        if on_queued is not None:  # from here training's writers only wait on these events, so
-            on_queued(dict(last))  # their version bumps are sanctioned: no check after this
         for dev, event in last.items():  # the snapshot is complete: training may change the tensors
             with torch.cuda.device(dev):
                 event.synchronize()
+
+    def _queue_copies(self, sides: dict[torch.device, Any]) -> dict[torch.device, Any]:
+        """Queue every copy (or stop at a cancel); each device's last event."""
+        last: dict[torch.device, Any] = {}
+        devices = [src.device if src.is_cuda else None for src in self.sources]
+        sizes = [src.numel() * src.element_size() for src in self.sources]
+        for dev, group in copy_groups(devices, sizes, EVENT_BYTES):
+            if self._cancelled.is_set():
+                break
+            if dev is None:  # host tensors among device ones: plain copies
+                for i in group:
+                    self._check_unchanged(i)
+                    src = self.sources[i]
+                    if src.numel():
+                        self.pieces[i].data.view(src.dtype).view(src.shape).copy_(src)
+                    self.pieces[i]._ready.set()
+                continue
+            side = sides[dev]
+            with torch.cuda.device(dev), torch.cuda.stream(side):
+                for i in group:
+                    self._check_unchanged(i)
+                    src = self.sources[i]
+                    if src.numel():
+                        src.record_stream(side)
+                        self.pieces[i].data.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+                event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
+                event.record(side)
+            for i in group:  # each piece's copy is covered by its group's event
+                piece = self.pieces[i]
+                piece._cuda_event, piece._device = event, dev
+                piece._ready.set()
+            last[dev] = event
+        return last
 
     def cancel(self) -> None:
         """Stop before the next copy (the save failed; nobody will read the rest)."""

@@ -29,7 +29,7 @@ from telemetry import span
 from ..errors import InvalidArgumentError, StagingError
 from ..format.boxes import flat_range_boxes
 from ..runtime.devices import on_device
-from .staging import Stager, pool
+from .staging import Stager, pool, settle_streams
 
 _ALIGN = 64
 SETTING = "BCP_STAGING_MAX_BYTES"
@@ -194,6 +194,19 @@ class CappedStager(Stager):
 
     def _run(self, on_queued: Any) -> None:
         sides = self._side_streams() if self.cuda else {}
+        try:
+            last = self._queue_copies(sides)
+            if on_queued is not None:
+                on_queued(dict(last))
+        except BaseException:  # a cancel too: the ring's memory goes back to the pool
+            settle_streams(sides)  # with no queued copy still landing in it
+            raise
+        for dev, event in last.items():
+            with torch.cuda.device(dev):
+                event.synchronize()
+
+    def _queue_copies(self, sides: dict[torch.device, Any]) -> dict[torch.device, Any]:
+        """Copy (on CUDA: queue) every segment as ring memory frees up; each device's last event."""
         last: dict[torch.device, Any] = {}
         for i in self.order:
             src = self.sources[i]
@@ -217,11 +230,7 @@ class CappedStager(Stager):
                 seg.ready.set()
             if not src.is_cuda:
                 self._check_unchanged(i)  # a write during the copy
-        if on_queued is not None:
-            on_queued(dict(last))
-        for dev, event in last.items():
-            with torch.cuda.device(dev):
-                event.synchronize()
+        return last
 
     def cancel(self) -> None:
         super().cancel()

@@ -4,8 +4,8 @@ What needs a device runs in tests/distributed/test_gpu_paths.py; here: the load'
 every rank (gloo ranks pretend CUDA through ``devices.PRETEND_CUDA``), failures inside the
 load window and in the staging arena reaching every rank promptly, the sync save's staging
 thread joined, the pinned pool's fallback, RNG restore with fewer devices, the groups the
-D2H copies are queued in, and a static check that every thread the engine starts sets its
-CUDA device before any CUDA call.
+D2H copies are queued in, and static checks that every thread the engine starts sets its
+CUDA device before any CUDA call and that side streams are waited for when a copy fails.
 """
 
 from __future__ import annotations
@@ -400,6 +400,108 @@ def test_cuda_events_are_blocking():
                 if not (blocking and isinstance(blocking[0].value, ast.Constant) and blocking[0].value.value):
                     spinning.append(f"{path}:{node.lineno}")
     assert not spinning, f"torch.cuda.Event without blocking=True: {spinning}"
+
+
+# -- static check: queued copies are waited for on every way out --------------------------
+
+_STREAM_MAKERS = {"Stream", "_side_streams"}  # torch.cuda.Stream(...), Stager._side_streams()
+
+
+def _makes_streams(chain: list[str]) -> bool:
+    return bool(chain) and chain[-1] in _STREAM_MAKERS and (chain[-1] != "Stream" or "cuda" in chain)
+
+
+def _functions(modules: dict[str, ast.Module]) -> list[tuple[str, ast.FunctionDef]]:
+    return [(path, n) for path, tree in modules.items() for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef)]
+
+
+def _synchronizers(modules: dict[str, ast.Module]) -> set[str]:
+    """Names of the functions that call ``synchronize()`` or ``settle_streams()`` themselves
+    (one level only: closing over every name they call would take in half the package)."""
+    return {fn.name for _, fn in _functions(modules)
+            if any(isinstance(n, ast.Call) and _chain(n.func)[-1:] in (["synchronize"], ["settle_streams"])
+                   for n in ast.walk(fn))}
+
+
+def _settles_on_failure(fn: ast.AST, synchronizers: set[str]) -> bool:
+    """Whether ``fn`` synchronizes in a ``finally`` or in a handler of every exception."""
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Try):
+            continue
+        bodies = [h.body for h in node.handlers
+                  if h.type is None or _chain(h.type)[-1:] == ["BaseException"]] + [node.finalbody]
+        for stmt in (s for body in bodies for s in body):
+            for call in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
+                name = (_chain(call.func) or [""])[-1]
+                if name == "synchronize" or name in synchronizers:
+                    return True
+    return False
+
+
+def _unsettled_streams(modules: dict[str, ast.Module]) -> tuple[list[str], int]:
+    """Functions that make side streams and queue work on them, where neither they nor any
+    function calling them waits for the streams when an error leaves: copies still queued
+    would land in an arena (pinned, reused by the next save or load) or a freed buffer after
+    the operation has failed and returned."""
+    functions = _functions(modules)
+    synchronizers = _synchronizers(modules)
+    problems, makers = [], 0
+    for path, fn in functions:
+        if fn.name in _STREAM_MAKERS:
+            continue
+        made = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and _makes_streams(_chain(n.func))]
+        if not made:
+            continue
+        makers += 1
+        callers = [c for _, c in functions
+                   if any(isinstance(n, ast.Call) and _chain(n.func)[-1:] == [fn.name] for n in ast.walk(c))]
+        if not any(_settles_on_failure(f, synchronizers) for f in [fn, *callers]):
+            problems.append(f"{path}:{made[0].lineno}: {fn.name}()")
+    return problems, makers
+
+
+def test_side_streams_are_waited_for_when_a_copy_fails():
+    """A save or load that fails with D2H or H2D copies queued on its side streams must not
+    return before they have run: the next one reuses the pinned arena they read or write."""
+    problems, makers = _unsettled_streams(_package_modules())
+    assert makers >= 3, "the scan found too few side streams: it is not looking"
+    assert not problems, "side streams not synchronized on an error path:\n" + "\n".join(problems)
+
+
+def test_the_static_check_catches_a_stream_left_running_on_failure():
+    bad = ast.parse(
+        "import torch\n"
+        "def sync_all(sides):\n"
+        "    for s in sides: s.synchronize()\n"
+        "def copy(xs, out):\n"
+        "    side = torch.cuda.Stream()\n"
+        "    with torch.cuda.stream(side):\n"
+        "        for x, o in zip(xs, out): o.copy_(x, non_blocking=True)\n"
+        "    side.synchronize()  # the success path only\n"
+        "def copy_caught(xs, out):\n"
+        "    side = torch.cuda.Stream()\n"
+        "    try:\n"
+        "        out[0].copy_(xs[0], non_blocking=True)\n"
+        "    except Exception:  # not every exception: a cancel passes through\n"
+        "        side.synchronize()\n"
+        "        raise\n"
+        "def settled(xs, out):\n"
+        "    side = torch.cuda.Stream()\n"
+        "    try:\n"
+        "        out[0].copy_(xs[0], non_blocking=True)\n"
+        "    finally:\n"
+        "        sync_all([side])\n"
+        "def inner(self):\n"
+        "    self.side = torch.cuda.Stream()\n"
+        "def outer(self):\n"
+        "    try:\n"
+        "        inner(self)\n"
+        "    except BaseException:\n"
+        "        self.side.synchronize()\n"
+        "        raise\n")
+    problems, makers = _unsettled_streams({"bad.py": bad})
+    assert makers == 4 and [p.split(" ")[1] for p in problems] == ["copy()", "copy_caught()"], problems
 
 
 @pytest.mark.parametrize("lo", [0, 20], ids=["whole-box", "from-row-1"])

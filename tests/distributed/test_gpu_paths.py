@@ -155,6 +155,14 @@ def test_overlapped_cuda_snapshot_is_the_state_at_save(tmp_path, cap):
         assert 0 < got["staging_bytes"] <= cap
 
 
+@needs_gpus(1, "a failed save's queued D2H copies against the pinned arena the next save reuses")
+@pytest.mark.parametrize("cap", [None, 4 << 20], ids=["arena", "bounded-4MiB"])
+def test_a_failed_save_leaves_no_copy_landing_in_the_arena(tmp_path, cap):
+    got = g.failed_save_leaves_no_copy_running(str(tmp_path / "c"), cap)
+    assert got["raised"] == "CheckpointExistsError" and got["pinned"] and got["arena_bytes"] > 0
+    assert got["intact"], "a copy of the failed save landed in the arena after wait() raised"
+
+
 ONE_GPU_CASES = [("fsdp2", False, True), ("ddp", False, False), ("fsdp2", True, False)]
 
 

@@ -362,6 +362,31 @@ def overlapped_copy_ahead_of_later_work(root: str) -> dict[str, Any]:
             "exact": all(torch.equal(into[k].cpu(), expected[k]) for k in expected)}
 
 
+def failed_save_leaves_no_copy_running(root: str, cap: int | None) -> dict[str, Any]:
+    """A save whose writer fails (its target exists, found under the cached plan) while its D2H
+    copies wait behind ~2 s of GPU work queued before save(). Once ``wait()`` has raised, no
+    copy may still land in the pinned arena the next save reuses: a sentinel written there
+    must survive ``torch.cuda.synchronize()``. (The bounded arena returned at once, copies
+    queued, before its error path waited for its side stream.)"""
+    device = torch.device("cuda", torch.cuda.current_device())
+    module = _as_module(_cuda_state(device, seed=5, mb=64))
+    opts: dict[str, Any] = {"async_save": True, "snapshot": "overlapped", "staging_max_bytes": cap}
+    bcp.save(root, {"model": module}, **opts).wait()  # the plan is cached from here
+    torch.cuda._sleep(4_000_000_000)  # about 2 s of GPU time: the next save's copies queue behind it
+    handle = bcp.save(root, {"model": module}, **opts)  # a handle: the writer finds the target
+    raised = None
+    try:
+        handle.wait(timeout=120)
+    except bcp.CheckpointExistsError as exc:
+        raised = type(exc).__name__
+    arena_pool = staging.pool(True)
+    arena = arena_pool.reserve(arena_pool.capacity)
+    arena.fill_(0xA5)
+    torch.cuda.synchronize()
+    return {"raised": raised, "pinned": arena_pool.is_pinned, "arena_bytes": arena.numel(),
+            "intact": bool((arena == 0xA5).all().item())}
+
+
 def _mlp_adam(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)]).cuda()
