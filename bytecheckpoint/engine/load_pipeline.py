@@ -482,6 +482,11 @@ class LoadPipeline:
         if self._host is not None:
             self._host.reset(half)
         self._allocate(window, half)
+        if self._h2d is not None:
+            # The device buffers just allocated come from the caching allocator on the current
+            # stream, perhaps as blocks freed there with kernels still pending on them: the
+            # staged units' copies on the side stream must not overtake those kernels.
+            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
         mine = [(j, u) for j, u in enumerate(window) if u.reader == self.rank]
         early = [(j, u, self.prefetched[u.box]) for j, u in mine if u.box in self.prefetched]
         mine = [(j, u) for j, u in mine if u.box not in self.prefetched]

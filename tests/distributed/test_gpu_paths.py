@@ -109,6 +109,15 @@ def test_nccl_load(tmp_path, framework, offload, fused, saved, loaded):
         assert_same_state(expected, r["state"])
 
 
+@needs_gpus(2, "an NCCL load into buffers freed by the caller with writes still pending on them")
+def test_nccl_load_waits_for_the_callers_pending_writes(tmp_path):
+    root = str(tmp_path / "c")
+    expected = _nccl_run(2, g.nccl_save, root, "ddp", False, False)[0]
+    for r in _nccl_run(2, g.nccl_load_behind_pending_writes, root):
+        assert r["transport"] == "nccl"
+        assert_same_state(expected, r["state"])
+
+
 @needs_gpus(3, "an NCCL load as the group's first operation, with ranks that post nothing")
 def test_nccl_load_as_the_groups_first_operation(tmp_path):
     root = str(tmp_path / "c")

@@ -285,6 +285,23 @@ def nccl_load(root: str, framework: str, offload: bool, fused: bool) -> dict[str
     return {"transport": result.transport, "state": w.full_state(model, optim)}
 
 
+def nccl_load_behind_pending_writes(root: str) -> dict[str, Any]:
+    """A DDP load (every box read by one rank and sent to the other) right after the caller
+    queued writes into memory it then freed: the blocks go back to the caching allocator with
+    their writes still pending behind ~1 s of GPU work, and the load's device buffers may be
+    those blocks. The staged copies into them (on the load's side stream) must wait for the
+    pending writes, or those writes land over the loaded bytes."""
+    model, optim = _ddp(9, False, False)
+    _train(model, optim)
+    torch.cuda._sleep(2_000_000_000)
+    scratch = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in range(512, 64 << 10, 512)]
+    for t in scratch:
+        t.fill_(0xEE)  # queued behind the sleep
+    del scratch, t
+    result = bcp.load(root, {"model": model, "optimizer": optim}, framework="ddp")
+    return {"transport": result.transport, "state": w.full_state(model, optim)}
+
+
 def nccl_load_with_oom(root: str, failing_rank: int) -> dict[str, Any]:
     model, optim = _fsdp2(9, False, False)
     _train(model, optim)
