@@ -5,7 +5,8 @@ every rank (gloo ranks pretend CUDA through ``devices.PRETEND_CUDA``), failures 
 load window and in the staging arena reaching every rank promptly, the sync save's staging
 thread joined, the pinned pool's fallback, RNG restore with fewer devices, the groups the
 D2H copies are queued in, and static checks that every thread the engine starts sets its
-CUDA device before any CUDA call and that side streams are waited for when a copy fails.
+CUDA device before any CUDA call, that every side stream waits for other work before its
+first copy, and that side streams are waited for when a copy fails.
 """
 
 from __future__ import annotations
@@ -502,6 +503,48 @@ def test_the_static_check_catches_a_stream_left_running_on_failure():
         "        raise\n")
     problems, makers = _unsettled_streams({"bad.py": bad})
     assert makers == 4 and [p.split(" ")[1] for p in problems] == ["copy()", "copy_caught()"], problems
+
+
+def _streams_never_waiting(modules: dict[str, ast.Module]) -> tuple[list[str], int]:
+    """Streams the package makes (``X = torch.cuda.Stream(...)``) on which no call in the same
+    module makes ``X`` wait for another stream or event. A new stream is ordered after nothing:
+    work queued on it may overtake the caller's pending kernels on the same memory (the tensors
+    being copied, or a buffer the caching allocator handed out on the caller's stream)."""
+    problems, made = [], 0
+    for path, tree in modules.items():
+        waiting = {ast.unparse(n.func.value) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                   and isinstance(n.func, ast.Attribute) and n.func.attr in ("wait_stream", "wait_event")}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and _chain(node.value.func)[-2:] == ["cuda", "Stream"]):
+                made += 1
+                for target in node.targets:
+                    if ast.unparse(target) not in waiting:
+                        problems.append(f"{path}:{node.lineno}: {ast.unparse(target)}")
+    return problems, made
+
+
+def test_every_side_stream_waits_before_its_first_copy():
+    problems, made = _streams_never_waiting(_package_modules())
+    assert made >= 2, "the scan found too few streams: it is not looking"
+    assert not problems, "streams that never wait for the caller's work:\n" + "\n".join(problems)
+
+
+def test_the_static_check_catches_a_stream_that_never_waits():
+    bad = ast.parse(
+        "import torch\n"
+        "def good(dev, mark):\n"
+        "    sides = {}\n"
+        "    sides[dev] = torch.cuda.Stream(dev)\n"
+        "    sides[dev].wait_event(mark)\n"
+        "class Loader:\n"
+        "    def start(self):\n"
+        "        self.h2d = torch.cuda.Stream()\n"
+        "        self.other = torch.cuda.Stream()\n"
+        "    def window(self):\n"
+        "        self.other.wait_stream(torch.cuda.current_stream())\n")
+    problems, made = _streams_never_waiting({"bad.py": bad})
+    assert made == 3 and problems == ["bad.py:8: self.h2d"], problems
 
 
 @pytest.mark.parametrize("lo", [0, 20], ids=["whole-box", "from-row-1"])
