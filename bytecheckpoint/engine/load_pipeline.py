@@ -549,8 +549,7 @@ class LoadPipeline:
         never reaches the exchange that orders them, and the pinned arena they read from goes
         back to the pool for the next load, their device buffers to the caching allocator."""
         if self._h2d is not None:
-            with on_device(self.device):
-                settle_streams({self.device: self._h2d})
+            settle_streams({self.device: self._h2d})  # on the stream's own device
 
     def _run_windows(self) -> PipelineResult:
         groups = balanced_windows(self.units, self.window_bytes)
