@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="3.56gb")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--snapshot", choices=("overlapped", "blocking"), default="overlapped")
+    parser.add_argument("--staging-max-bytes", type=int, default=None,
+                        help="bound the arena (the copy runs in rounds through a ring)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--before", type=int, default=2)
     parser.add_argument("--after", type=int, default=4)
@@ -110,7 +112,8 @@ def main() -> None:
         for s in range(3):
             step_once(model, optim, cfg, s, args.batch, device)
         bcp.save(os.path.join(args.dir, "warm"), state, framework="fsdp2",
-                 async_save=True, snapshot=args.snapshot).wait()  # the arena is made here
+                 async_save=True, snapshot=args.snapshot,
+                 staging_max_bytes=args.staging_max_bytes).wait()  # the arena is made here
         for s in range(3):
             step_once(model, optim, cfg, 100 + s, args.batch, device)
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -124,7 +127,8 @@ def main() -> None:
                     if saving:
                         t = time.perf_counter()
                         handle = bcp.save(os.path.join(args.dir, "timed"), state, framework="fsdp2",
-                                          async_save=True, snapshot=args.snapshot)
+                                          async_save=True, snapshot=args.snapshot,
+                                          staging_max_bytes=args.staging_max_bytes)
                         print(f"save() returned in {(time.perf_counter() - t) * 1e3:.1f} ms")
                     step_once(model, optim, cfg, 200 + s, args.batch, device)
             if device.type == "cuda":
@@ -141,7 +145,8 @@ def main() -> None:
             with gzip.open(args.trace, "wt") as f:
                 json.dump(trace, f)
         print(f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, torch "
-              f"{torch.__version__}: {args.model}, snapshot={args.snapshot}")
+              f"{torch.__version__}: {args.model}, snapshot={args.snapshot}, "
+              f"staging_max_bytes={args.staging_max_bytes}")
         print_rows(summarize(trace))
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)

@@ -6,6 +6,8 @@
 #   ./scripts/gpu_check.sh              # logs and figures under $OUT (default /tmp/bcp-gpu-check)
 #   GPU_CHECK_MODELS="1.3gb" ./scripts/gpu_check.sh
 #   GPU_CHECK_SAVES=4 GPU_CHECK_EVERY_S=3 GPU_CHECK_BENCH_S=150 ./scripts/gpu_check.sh  # shorter
+#   GPU_CHECK_STAGES="tests profile" ./scripts/gpu_check.sh   # some stages (tests profile loop)
+#   GPU_CHECK_MODES="ours-overlapped,dcp-async" ./scripts/gpu_check.sh   # bench/gpu_loop_cost.py --modes
 #
 # It uses the machine's own Python with PyTorch (PYTHON, default python3); packages that
 # Python lacks may be given as wheels in .whl/ (a machine with no package index).
@@ -25,18 +27,24 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
 df -h "${TMPDIR:-/tmp}" | tail -1
 
+STAGES=" ${GPU_CHECK_STAGES:-tests profile loop} "
 status=0
-"$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 300 \
+[[ $STAGES == *" tests "* ]] && { "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 300 \
     tests/distributed/test_gpu_paths.py tests/distributed/test_overlapped_snapshot.py \
-    tests/unit/test_direct_writes.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+    tests/unit/test_direct_writes.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1; }
 
-for snapshot in overlapped blocking; do
-    timeout 120 "$PY" bench/save_step_profile.py --model 3.56gb --before 1 --after 3 \
-        --snapshot "$snapshot" 2>&1 | grep -v USDT | tee "$OUT/save_step_$snapshot.log" || status=1
+# the whole arena (overlapped, blocking), then a 256 MiB ring (the copy in rounds)
+for variant in overlapped blocking ring; do
+    [[ $STAGES == *" profile "* ]] || break
+    args=(--snapshot "$variant")
+    [[ $variant == ring ]] && args=(--snapshot overlapped --staging-max-bytes $((256 << 20)))
+    timeout 120 "$PY" bench/save_step_profile.py --model 3.56gb --before 1 --after 3 "${args[@]}" \
+        2>&1 | grep -v USDT | tee "$OUT/save_step_$variant.log" || status=1
 done
 
 for model in ${GPU_CHECK_MODELS:-3.56gb 1.3gb}; do
-    timeout "${GPU_CHECK_BENCH_S:-240}" "$PY" bench/gpu_loop_cost.py --model "$model" \
+    [[ $STAGES == *" loop "* ]] || break
+    timeout "${GPU_CHECK_BENCH_S:-240}" "$PY" bench/gpu_loop_cost.py --model "$model" ${GPU_CHECK_MODES:+--modes "$GPU_CHECK_MODES"} \
         --saves "${GPU_CHECK_SAVES:-5}" --every-s "${GPU_CHECK_EVERY_S:-5}" --json "$OUT/loop_$model.json" 2>&1 \
         | tee "$OUT/loop_$model.log" || status=1
 done

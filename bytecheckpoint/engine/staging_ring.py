@@ -15,6 +15,7 @@ within a kind), so the ring never waits for a segment no writer will take next.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -29,7 +30,7 @@ from telemetry import span
 from ..errors import InvalidArgumentError, StagingError
 from ..format.boxes import flat_range_boxes
 from ..runtime.devices import on_device
-from .staging import Stager, pool, settle_streams
+from .staging import EVENT_BYTES, Stager, pool, settle_streams
 
 _ALIGN = 64
 SETTING = "BCP_STAGING_MAX_BYTES"
@@ -68,22 +69,31 @@ class _Ring:
         self.peak = 0  # the most bytes of the arena in use at once (wrap-around waste counted)
 
     def alloc(self, nbytes: int) -> tuple[int, list[Any]]:
-        need = -(-nbytes // _ALIGN) * _ALIGN
+        """An arena offset and a slot for ``nbytes``, waiting for releases while it is full."""
         with self._cond:
-            while True:
-                pos = self._head % self.capacity
-                start = self._head if pos + need <= self.capacity else self._head + self.capacity - pos
-                tail = self._live[0][0] if self._live else start
-                if start + need - tail <= self.capacity:
-                    break
+            while (got := self._take(nbytes)) is None:
                 if self._cancelled.is_set():
                     raise _Cancelled
                 self._cond.wait()
-            seg = [start, start + need, False]
-            self._live.append(seg)
-            self._head = start + need
-            self.peak = max(self.peak, self._head - tail)
-            return start % self.capacity, seg
+            return got
+
+    def try_alloc(self, nbytes: int) -> tuple[int, list[Any]] | None:
+        """``alloc`` where it would not wait; None where it would."""
+        with self._cond:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> tuple[int, list[Any]] | None:
+        need = -(-nbytes // _ALIGN) * _ALIGN
+        pos = self._head % self.capacity
+        start = self._head if pos + need <= self.capacity else self._head + self.capacity - pos
+        tail = self._live[0][0] if self._live else start
+        if start + need - tail > self.capacity:
+            return None
+        seg = [start, start + need, False]
+        self._live.append(seg)
+        self._head = start + need
+        self.peak = max(self.peak, self._head - tail)
+        return start % self.capacity, seg
 
     def release(self, seg: list[Any]) -> None:
         with self._cond:
@@ -111,6 +121,36 @@ class _Segment:
         self.device: torch.device | None = None
         self.failed = False
         self.error: BaseException | None = None
+
+
+class _Group:
+    """The CUDA segments queued on one device's side stream since its last event."""
+
+    def __init__(self, sides: dict[torch.device, Any], last: dict[torch.device, Any]) -> None:
+        self._sides, self._last = sides, last
+        self.device: torch.device | None = None
+        self._segments: list[_Segment] = []
+        self._bytes = 0
+
+    def add(self, seg: _Segment, nbytes: int, limit: int) -> None:
+        self._segments.append(seg)
+        self._bytes += nbytes
+        if self._bytes >= limit:
+            self.close()
+
+    def close(self) -> None:
+        """Record one event after the group's copies and hand its segments to the writers."""
+        if not self._segments:
+            return
+        assert self.device is not None
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
+            event.record(self._sides[self.device])
+        for seg in self._segments:
+            seg.event, seg.device = event, self.device
+            seg.ready.set()
+        self._last[self.device] = event
+        self._segments, self._bytes = [], 0
 
 
 class RingPiece:
@@ -169,6 +209,8 @@ class CappedStager(Stager):
                                  [_Segment(0, 0)])
         pool(self.cuda).bound(capacity)
         self.ring = _Ring(capacity, self._cancelled)
+        # a CUDA group's event covers at most a quarter of the ring, so writers start early
+        self.group_bytes = max(_ALIGN, min(EVENT_BYTES, capacity // 4))
         self._arena = pool(self.cuda).reserve(capacity)
         self.pieces = []
         self.sources_for_writer = [RingPiece(self, i) for i in range(len(self.sources))]
@@ -206,30 +248,48 @@ class CappedStager(Stager):
                 event.synchronize()
 
     def _queue_copies(self, sides: dict[torch.device, Any]) -> dict[torch.device, Any]:
-        """Copy (on CUDA: queue) every segment as ring memory frees up; each device's last event."""
+        """Copy (on CUDA: queue) every segment as ring memory frees up; each device's last event.
+
+        As in ``Stager``, CUDA copies are queued in groups, one event and one device/stream
+        switch per group rather than per segment (the queuing thread's Python competes with a
+        launch-bound training loop for the GIL). A group is closed when it reaches
+        ``group_bytes`` and, always, before an allocation would wait for ring memory: the
+        writers that free it wait on their segments' events, so every queued segment must be
+        covered by one before the copier sleeps.
+        """
         last: dict[torch.device, Any] = {}
-        for i in self.order:
-            src = self.sources[i]
-            self._check_unchanged(i)
-            for seg in self.segments[i]:
-                if self._cancelled.is_set():
-                    raise _Cancelled
-                nbytes = (seg.stop - seg.start) * src.element_size()
-                offset, seg.slot = self.ring.alloc(nbytes)
-                seg.data = self._arena[offset : offset + nbytes]
+        group = _Group(sides, last)
+        with contextlib.ExitStack() as switch:
+            for i in self.order:
+                src = self.sources[i]
+                self._check_unchanged(i)
+                if src.is_cuda and group.device != src.device:
+                    group.close()
+                    switch.close()
+                    switch.enter_context(torch.cuda.device(src.device))
+                    switch.enter_context(torch.cuda.stream(sides[src.device]))
+                    group.device = src.device
                 if src.is_cuda:
-                    dev = src.device
-                    with torch.cuda.device(dev), torch.cuda.stream(sides[dev]):
-                        src.record_stream(sides[dev])
+                    src.record_stream(sides[src.device])
+                for seg in self.segments[i]:
+                    if self._cancelled.is_set():
+                        raise _Cancelled
+                    nbytes = (seg.stop - seg.start) * src.element_size()
+                    got = self.ring.try_alloc(nbytes)
+                    if got is None:  # full: cover what is queued, then wait for the writers
+                        group.close()
+                        got = self.ring.alloc(nbytes)
+                    offset, seg.slot = got
+                    seg.data = self._arena[offset : offset + nbytes]
+                    if src.is_cuda:
                         _copy_range(src, seg, non_blocking=True)
-                        seg.event = torch.cuda.Event(blocking=True)
-                        seg.event.record(sides[dev])
-                    seg.device, last[dev] = dev, seg.event
-                else:
-                    _copy_range(src, seg)
-                seg.ready.set()
-            if not src.is_cuda:
-                self._check_unchanged(i)  # a write during the copy
+                        group.add(seg, nbytes, self.group_bytes)
+                    else:
+                        _copy_range(src, seg)
+                        seg.ready.set()
+                if not src.is_cuda:
+                    self._check_unchanged(i)  # a write during the copy
+            group.close()
         return last
 
     def cancel(self) -> None:

@@ -172,6 +172,13 @@ def test_a_failed_save_leaves_no_copy_landing_in_the_arena(tmp_path, cap):
     assert got["intact"], "a copy of the failed save landed in the arena after wait() raised"
 
 
+@needs_gpus(1, "600 small CUDA tensors through a bounded arena, their copies queued in groups")
+def test_grouped_copies_through_a_small_bounded_arena_are_exact(tmp_path):
+    got = g.many_small_tensors_through_a_small_ring(str(tmp_path / "c"))
+    assert 0 < got["staging_bytes"] <= got["cap"]
+    assert got["differs"] == []
+
+
 ONE_GPU_CASES = [("fsdp2", False, True), ("ddp", False, False), ("fsdp2", True, False)]
 
 

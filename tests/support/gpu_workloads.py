@@ -404,6 +404,31 @@ def failed_save_leaves_no_copy_running(root: str, cap: int | None) -> dict[str, 
             "intact": bool((arena == 0xA5).all().item())}
 
 
+def many_small_tensors_through_a_small_ring(root: str) -> dict[str, Any]:
+    """600 small CUDA tensors of odd sizes and three dtypes through a 256 KiB bounded arena.
+    Their copies are queued in groups with one event each; the ring fills while a group is
+    still open, so the group must be closed (its event recorded, its segments handed to the
+    writers) before the copier waits for ring memory, or the writers that would free it wait
+    on segments nobody marks ready. Bit-exact after training clobbers every tensor."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=device).manual_seed(11)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    state = {f"{i}": torch.randn(1 + (i * 7919) % 6000, device=device, generator=g).to(dtypes[i % 3])
+             for i in range(600)}
+    expected = {k: v.cpu() for k, v in state.items()}
+    cap = 256 << 10
+    handle = bcp.save(root, {"model": _as_module(state)}, async_save=True, snapshot="overlapped",
+                      staging_max_bytes=cap)
+    handle.wait_snapshot(timeout=120)  # buffers have no hook: the contract is wait_snapshot
+    for v in state.values():
+        v.fill_(3)  # the state moves on while the writers still drain the ring
+    result = handle.wait(timeout=120)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(root, {"model": _as_module(into)})
+    return {"staging_bytes": result.staging_bytes, "cap": cap,
+            "differs": [k for k in expected if not torch.equal(into[k].cpu(), expected[k])]}
+
+
 def _mlp_adam(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)]).cuda()

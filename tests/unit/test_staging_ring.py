@@ -32,9 +32,15 @@ def test_live_segments_never_overlap_and_a_drained_ring_always_has_room(capacity
                 ring.release(live.pop(n % len(live))[2])
             continue
         need = min(n, capacity)
-        try:
-            offset, slot = ring.alloc(need)
-        except _Cancelled:  # full: once every live segment is released it must fit
+        got = ring.try_alloc(need)
+        if got is not None:
+            offset, slot = got
+        else:  # full: alloc would wait, and once every live segment is released it must fit
+            try:
+                ring.alloc(need)
+                raise AssertionError(f"try_alloc refused {need} bytes that alloc then handed out")
+            except _Cancelled:
+                pass
             assert live, f"an empty ring of {capacity} bytes refused {need}"
             for _, _, slot in live:
                 ring.release(slot)
@@ -59,3 +65,13 @@ def test_a_waiting_alloc_resumes_when_the_oldest_segment_is_released():
     ring.release(first)
     waiter.join(5)
     assert got == [0]  # the first segment's memory, now free
+
+
+def test_try_alloc_answers_at_once_where_alloc_would_wait():
+    ring = _Ring(256, threading.Event())
+    _, first = ring.alloc(190)  # 192 bytes, aligned
+    assert ring.try_alloc(100) is None  # would wait: nothing is taken
+    assert ring.try_alloc(64) is not None  # fits beside the first
+    assert ring.try_alloc(1) is None
+    ring.release(first)
+    assert ring.try_alloc(100) is not None
