@@ -16,7 +16,11 @@ rate while other threads do one thing at a time, so the causes can be told apart
   copy        torch copy_ of the buffer in 64 MiB pieces: memory traffic alone
   handoffs    time.sleep for as long as a 4 MiB hash takes, as many times: the handoffs of
               hash-4MiB without its memory traffic
-  save        bcp.save(async_save=True) of the buffer as a module's tensors, to --dir
+  write       the save's own writer loop (engine.files.write_file: 4 MiB checksums, then
+              the write, direct where the disk allows) of each thread's part to --dir,
+              as an async save's writers do after a D2H copy
+  save        bcp.save(async_save=True) of the buffer as a module's tensors, to --dir (on
+              CPU tensors this includes the snapshot's memory copy)
 
 Prints the loop's op rate in each case as a fraction of its rate when idle (medians of
 --reps), and how long each case lasted.
@@ -39,7 +43,7 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CASES = ("idle", "hash-4MiB", "hash-64MiB", "copy", "handoffs", "save")
+CASES = ("idle", "hash-4MiB", "hash-64MiB", "copy", "handoffs", "write", "save")
 
 
 def loop_rate(busy: Callable[[], bool]) -> float:
@@ -98,6 +102,17 @@ def run_case(case: str, flat: torch.Tensor, threads: int, root: str,
                 piece = src[a : a + dst.numel()]
                 dst[: piece.numel()].copy_(piece)
 
+    def writer(i: int) -> None:
+        from bytecheckpoint.engine.files import Piece, write_file
+        from bytecheckpoint.format.checksums import DEFAULT_CHUNK_BYTES
+        from bytecheckpoint.storage import open_storage
+
+        storage, base = open_storage(root)
+        part = parts[i]
+        piece = Piece(name="t", code="F32", shape=(len(part) // 4,), nbytes=len(part),
+                      source=lambda: part, address=flat.data_ptr() + i * share)
+        write_file(storage, f"{base}/part{i}", [piece], DEFAULT_CHUNK_BYTES, {})
+
     def sleeper(i: int) -> None:
         while time.perf_counter() < deadline:
             time.sleep(one_hash_s)
@@ -112,6 +127,10 @@ def run_case(case: str, flat: torch.Tensor, threads: int, root: str,
         shutil.rmtree(root, ignore_errors=True)
         handle = bcp.save(root, {"model": module}, async_save=True)
         busy = lambda: not handle.done()  # noqa: E731
+    elif case == "write":
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        busy = in_threads(writer, threads)
     else:
         work = {"hash-4MiB": hasher(4 << 20), "hash-64MiB": hasher(64 << 20),
                 "copy": copier, "handoffs": sleeper}[case]
@@ -120,6 +139,7 @@ def run_case(case: str, flat: torch.Tensor, threads: int, root: str,
     lasted = time.perf_counter() - t0
     if case == "save":
         handle.wait()
+    if case in ("save", "write"):
         shutil.rmtree(root, ignore_errors=True)
     return rate, lasted
 
