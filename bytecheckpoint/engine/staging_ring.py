@@ -124,7 +124,10 @@ class _Segment:
 
 
 class _Group:
-    """The CUDA segments queued on one device's side stream since its last event."""
+    """The segments copied since the group was last closed, all from one device (``device``;
+    None: host memory). CUDA segments are covered by one event recorded on the device's side
+    stream when the group closes; host segments, copied already, are grouped the same way so
+    that every save runs this logic (a CPU test catches what would hang on a GPU)."""
 
     def __init__(self, sides: dict[torch.device, Any], last: dict[torch.device, Any]) -> None:
         self._sides, self._last = sides, last
@@ -139,17 +142,18 @@ class _Group:
             self.close()
 
     def close(self) -> None:
-        """Record one event after the group's copies and hand its segments to the writers."""
+        """Record one event after the group's copies (CUDA) and hand its segments to the writers."""
         if not self._segments:
             return
-        assert self.device is not None
-        with torch.cuda.device(self.device):
-            event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
-            event.record(self._sides[self.device])
+        event = None
+        if self.device is not None:
+            with torch.cuda.device(self.device):
+                event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
+                event.record(self._sides[self.device])
+            self._last[self.device] = event
         for seg in self._segments:
             seg.event, seg.device = event, self.device
             seg.ready.set()
-        self._last[self.device] = event
         self._segments, self._bytes = [], 0
 
 
@@ -209,7 +213,7 @@ class CappedStager(Stager):
                                  [_Segment(0, 0)])
         pool(self.cuda).bound(capacity)
         self.ring = _Ring(capacity, self._cancelled)
-        # a CUDA group's event covers at most a quarter of the ring, so writers start early
+        # a group holds at most a quarter of the ring, so writers start early
         self.group_bytes = max(_ALIGN, min(EVENT_BYTES, capacity // 4))
         self._arena = pool(self.cuda).reserve(capacity)
         self.pieces = []
@@ -250,12 +254,12 @@ class CappedStager(Stager):
     def _queue_copies(self, sides: dict[torch.device, Any]) -> dict[torch.device, Any]:
         """Copy (on CUDA: queue) every segment as ring memory frees up; each device's last event.
 
-        As in ``Stager``, CUDA copies are queued in groups, one event and one device/stream
+        As in ``Stager``, CUDA copies are queued in groups: one event and one device/stream
         switch per group rather than per segment (the queuing thread's Python competes with a
-        launch-bound training loop for the GIL). A group is closed when it reaches
-        ``group_bytes`` and, always, before an allocation would wait for ring memory: the
-        writers that free it wait on their segments' events, so every queued segment must be
-        covered by one before the copier sleeps.
+        launch-bound training loop for the GIL). Host copies are grouped alike, without an
+        event. A group is closed when it reaches ``group_bytes`` and, always, before an
+        allocation would wait for ring memory: the writers that free it wait for their
+        segments to be handed over, so every copied segment must be before the copier sleeps.
         """
         last: dict[torch.device, Any] = {}
         group = _Group(sides, last)
@@ -263,14 +267,16 @@ class CappedStager(Stager):
             for i in self.order:
                 src = self.sources[i]
                 self._check_unchanged(i)
-                if src.is_cuda and group.device != src.device:
+                device = src.device if src.is_cuda else None
+                if device != group.device:
                     group.close()
-                    switch.close()
-                    switch.enter_context(torch.cuda.device(src.device))
-                    switch.enter_context(torch.cuda.stream(sides[src.device]))
-                    group.device = src.device
-                if src.is_cuda:
-                    src.record_stream(sides[src.device])
+                    group.device = device
+                    if device is not None:
+                        switch.close()
+                        switch.enter_context(torch.cuda.device(device))
+                        switch.enter_context(torch.cuda.stream(sides[device]))
+                if device is not None:
+                    src.record_stream(sides[device])
                 for seg in self.segments[i]:
                     if self._cancelled.is_set():
                         raise _Cancelled
@@ -281,13 +287,9 @@ class CappedStager(Stager):
                         got = self.ring.alloc(nbytes)
                     offset, seg.slot = got
                     seg.data = self._arena[offset : offset + nbytes]
-                    if src.is_cuda:
-                        _copy_range(src, seg, non_blocking=True)
-                        group.add(seg, nbytes, self.group_bytes)
-                    else:
-                        _copy_range(src, seg)
-                        seg.ready.set()
-                if not src.is_cuda:
+                    _copy_range(src, seg, non_blocking=device is not None)
+                    group.add(seg, nbytes, self.group_bytes)
+                if device is None:
                     self._check_unchanged(i)  # a write during the copy
             group.close()
         return last

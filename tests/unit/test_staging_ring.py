@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import threading
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bytecheckpoint.engine.staging_ring import _Cancelled, _Ring
+from bytecheckpoint.engine import staging
+from bytecheckpoint.engine.staging_ring import CappedStager, _Cancelled, _Ring
 from tests.fuzz.strategies import fuzz_settings
 
 # A step: allocate this many bytes, or release the live segment at this index (writers on
@@ -75,3 +77,36 @@ def test_try_alloc_answers_at_once_where_alloc_would_wait():
     assert ring.try_alloc(1) is None
     ring.release(first)
     assert ring.try_alloc(100) is not None
+
+
+def test_a_copy_that_waits_for_ring_memory_has_handed_over_what_it_copied():
+    """Copied segments reach the writers in groups. If the copy waited for ring memory with a
+    group still open, the writers would wait for that group and the copy for them. The bound
+    of a quarter of the ring per group keeps one writer out of that case; here a group may
+    fill the ring, and 30 pieces of 400 bytes (448 in the ring) fill a 4 KiB ring with 3,600
+    bytes, short of closing the group by size."""
+    sources = [torch.arange(100, dtype=torch.float32) + 1000 * i for i in range(30)]
+    names = [f"t{i}" for i in range(30)]
+    try:
+        stager = CappedStager(sources, names, sources, 4096, 64, list(range(30)))
+        stager.group_bytes = stager.ring.capacity
+        got: list[bytes] = []
+
+        def consume() -> None:
+            for piece in stager.sources_for_writer:
+                got.append(b"".join(bytes(part) for part in piece.parts()))
+
+        threads = [threading.Thread(target=stager.run, daemon=True),
+                   threading.Thread(target=consume, daemon=True)]
+        for t in threads:
+            t.start()
+        threads[1].join(20)
+        hung = threads[1].is_alive()
+        if hung:
+            stager.cancel()  # lets both threads out
+        assert not hung, "the copy and the writer waited on each other"
+        threads[0].join(20)
+        assert got == [s.numpy().tobytes() for s in sources]
+        assert stager.peak_bytes <= 4096
+    finally:
+        staging.release_pools()
