@@ -259,7 +259,8 @@ class CappedStager(Stager):
         launch-bound training loop for the GIL). Host copies are grouped alike, without an
         event. A group is closed when it reaches ``group_bytes`` and, always, before an
         allocation would wait for ring memory: the writers that free it wait for their
-        segments to be handed over, so every copied segment must be before the copier sleeps.
+        segments to be handed over, so every copied segment is handed over before the copier
+        sleeps.
         """
         last: dict[torch.device, Any] = {}
         group = _Group(sides, last)

@@ -150,10 +150,10 @@ def test_writer_failure_does_not_leave_the_copy_waiting(tmp_path):
 
 
 def test_many_small_tensors_through_a_small_ring_are_exact(tmp_path, monkeypatch):
-    """600 small tensors of odd sizes and three dtypes through a 256 KiB ring. Copied segments
-    reach the writers in groups, and the ring fills while a group is open: the group must be
-    handed over before the copy waits for ring memory, or the copy and the writers wait on each
-    other. The same logic hands CUDA segments over with their group's event."""
+    """600 small tensors of odd sizes and three dtypes through a 256 KiB ring: copied segments
+    reach the writers in groups (the GPU test's workload, where each group has one event),
+    many groups per save, and every byte lands where it belongs. That a group is handed over
+    before the copy waits for ring memory is tested in tests/unit/test_staging_ring.py."""
     monkeypatch.setenv("BCP_SNAPSHOT_WRITE_THROUGH", "0")  # overlapped goes through the arena too
     staging.release_pools()
     g = torch.Generator().manual_seed(11)

@@ -406,10 +406,9 @@ def failed_save_leaves_no_copy_running(root: str, cap: int | None) -> dict[str, 
 
 def many_small_tensors_through_a_small_ring(root: str) -> dict[str, Any]:
     """600 small CUDA tensors of odd sizes and three dtypes through a 256 KiB bounded arena.
-    Their copies are queued in groups with one event each; the ring fills while a group is
-    still open, so the group must be closed (its event recorded, its segments handed to the
-    writers) before the copier waits for ring memory, or the writers that would free it wait
-    on segments nobody marks ready. Bit-exact after training clobbers every tensor."""
+    Their copies are queued in groups with one event each, many groups per save, and the ring
+    fills while a group is open (it is closed before the copier waits for ring memory).
+    Bit-exact after training clobbers every tensor."""
     device = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=device).manual_seed(11)
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
