@@ -97,7 +97,7 @@ def save(
             tensors are copied) or ``"overlapped"``: ``save`` returns once the save is planned and
             the copy overlaps training; ``optimizer.step()`` and the forward of saved modules
             with buffers wait for it, any other in-place change of a saved tensor must call
-            ``handle.wait_snapshot()`` first (docs/performance.md, "Overlapped snapshot"). The
+            ``handle.wait_snapshot()`` first (docs/performance/training-loop.md, "Overlapped snapshot"). The
             save commits once training confirms the copy (its next step, forward or call on
             the handle), or after ``BCP_SNAPSHOT_CONFIRM_S`` seconds. CPU tensors saved to
             local disk are written straight from the live tensors, with no copy and no
@@ -107,7 +107,8 @@ def save(
             device tensors; default ``BCP_STAGING_MAX_BYTES``, else one copy of the rank's
             share). Below the share the copy runs in rounds that wait for the writer, so an
             async save returns (blocking) or releases ``optimizer.step()`` (overlapped) only
-            after about the write of all but the last round (docs/performance.md).
+            after about the write of all but the last round (docs/performance/training-loop.md,
+            "Bounded staging arena").
 
     A save whose state structure is unchanged since this process group's last save reuses
     that save's plan and sends no planning messages (``SaveResult.cached_plan``).

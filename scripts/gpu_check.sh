@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run (docs/gpu.md): the GPU tests, the profile of a
-# save's step (bench/save_step_profile.py), then the training-loop cost of a checkpoint on the
-# GPU (bench/gpu_loop_cost.py).
+# The checks that need a CUDA GPU, in one run (docs/gpu.md): the GPU tests, the host's cost of
+# queuing a save's copies (bench/gpu_copy_issue.py), the profile of a save's step
+# (bench/save_step_profile.py), then the training-loop cost of a checkpoint on the GPU
+# (bench/gpu_loop_cost.py).
 #
 #   ./scripts/gpu_check.sh              # logs and figures under $OUT (default /tmp/bcp-gpu-check)
 #   GPU_CHECK_MODELS="1.3gb" ./scripts/gpu_check.sh
 #   GPU_CHECK_SAVES=4 GPU_CHECK_EVERY_S=3 GPU_CHECK_BENCH_S=150 ./scripts/gpu_check.sh  # shorter
-#   GPU_CHECK_STAGES="tests profile" ./scripts/gpu_check.sh   # some stages (tests profile loop)
+#   GPU_CHECK_STAGES="tests copies" ./scripts/gpu_check.sh   # some stages (tests copies profile loop)
 #   GPU_CHECK_MODES="ours-overlapped,dcp-async" ./scripts/gpu_check.sh   # bench/gpu_loop_cost.py --modes
 #
 # It uses the machine's own Python with PyTorch (PYTHON, default python3); packages that
@@ -27,11 +28,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
 df -h "${TMPDIR:-/tmp}" | tail -1
 
-STAGES=" ${GPU_CHECK_STAGES:-tests profile loop} "
+STAGES=" ${GPU_CHECK_STAGES:-tests copies profile loop} "
 status=0
 [[ $STAGES == *" tests "* ]] && { "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 300 \
     tests/distributed/test_gpu_paths.py tests/distributed/test_overlapped_snapshot.py \
     tests/unit/test_direct_writes.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1; }
+
+[[ $STAGES == *" copies "* ]] && { timeout 120 "$PY" bench/gpu_copy_issue.py --gb 3.56 --reps 3 2>&1 \
+    | tee "$OUT/copy_issue.log" || status=1; }
 
 # the whole arena (overlapped, blocking), then a 256 MiB ring (the copy in rounds)
 for variant in overlapped blocking ring; do

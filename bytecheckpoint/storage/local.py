@@ -45,7 +45,7 @@ _READ_CALL = 4 << 20
 # sequential read the kernel's readahead keeps growing, and past about 64 MiB the copy out of
 # the page cache got three times dearer here: 4 ranks loading 3.56 GB through 128 or 256 MiB
 # per descriptor ran at 1.3-1.4 GB/s with 2.4-2.8 system CPU-s, through 64 MiB at 1.8-2.0
-# GB/s with 0.9 (docs/performance.md, "Reads through a fresh descriptor every 64 MiB").
+# GB/s with 0.9 (docs/performance/loads.md, "Reads through a fresh descriptor every 64 MiB").
 _DESCRIPTOR_BYTES = 64 << 20
 
 
