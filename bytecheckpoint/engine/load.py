@@ -51,6 +51,7 @@ from ..planners import get_planner
 from ..runtime.comm import Communicator, Outcome, raise_failures
 from ..runtime.devices import exchange_device
 from ..runtime.gc_pause import gc_paused
+from ..runtime.identity import stamp_rank
 from ..state.flatten import FlatState, flatten_state
 from ..storage import Storage
 from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects
@@ -177,6 +178,7 @@ def load(
 ) -> LoadResult:
     t0 = time.perf_counter()
     comm = Communicator(process_group)
+    stamp_rank()
     phases: dict[str, float] = {}
     error: BaseException | None = None
     result: LoadResult | None = None

@@ -69,6 +69,7 @@ from ..runtime import gc_pause
 from ..runtime.comm import Communicator, Outcome, summarize_failures
 from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
+from ..runtime.identity import stamp_rank
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
 from . import host_files, pieces_memo, snapshot, staging, staging_ring, write_through
@@ -682,6 +683,7 @@ def save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sav
 def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:
     t0 = time.perf_counter()
     comm = Communicator(opts.process_group, dedicated=True)
+    stamp_rank()
     storage, path = open_storage(url)
     if not opts.async_save:
         # Training waits for this save, so only its wall time counts, not the CPU that direct

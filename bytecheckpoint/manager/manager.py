@@ -43,6 +43,7 @@ from ..manage.deletion import delete_on_storage
 from ..manage.records import CheckpointInfo
 from ..manage.retention import Context, Policy, plan_deletions
 from ..runtime.comm import Communicator, Outcome
+from ..runtime.identity import stamp_rank
 from ..storage import open_storage
 from .agreement import SAVE, STOP, Agreed, Agreement
 from .schedule import Schedule
@@ -103,6 +104,7 @@ class CheckpointManager:
         for reserved in ("step", "async_save", "process_group", "user_metadata", "overwrite"):
             if reserved in self.save_kwargs:
                 raise InvalidArgumentError(f"save_kwargs may not set {reserved!r}: the manager sets it")
+        stamp_rank()  # its storage and train.step events name their rank
         self.storage, self.root = open_storage(root)
         self.root = self.root.rstrip("/") or self.root
         self.url = self.storage.url(self.root)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch.distributed as dist
 
+import bytecheckpoint as bcp
 import telemetry
 from bytecheckpoint.storage import faults
 from tests.support import workloads as w
@@ -83,3 +85,38 @@ def save_taking_turns(root: str, slots_dir: str) -> dict[str, Any]:
                 os.environ[key] = value
     exact = all(torch.equal(state[k], back[k]) for k in state)
     return {"held": held, "exact": exact}
+
+
+def save_and_load_with_launcher_env(root: str, env: dict[str, str | None]) -> dict[str, Any]:
+    """A manager's steps, a save and a load with ``RANK`` / ``WORLD_SIZE`` as ``env`` gives
+    them (None: unset, as under ``mp.spawn``), the telemetry context rebuilt from that
+    environment before each; the pool's environment and context are restored after. This
+    rank's pid, its rank and when it began, to match events."""
+    from telemetry.context import reset_context
+
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        reset_context()
+        started = time.time()
+        # the manager first: nothing before it has stamped the context
+        manager = bcp.CheckpointManager(f"{root}-managed", record_step_time=True)
+        for step in range(1, 4):  # a train.step span per step after the first
+            manager.should_save(step)
+        manager.close()
+        reset_context()  # and the save and the load stamp it themselves
+        w.fsdp2_train_save(root, 1)
+        w.fsdp2_load(f"{root}/step_1")
+        telemetry.flush()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        reset_context()
+    return {"pid": os.getpid(), "rank": dist.get_rank(), "started": started}
