@@ -17,7 +17,9 @@ on 4 CPU processes (gloo) builds its state. Then, ``--reps`` times, each measure
           the sweeps so far (the disk's speed drifts within a minute; measured next to each
           save it is an unbiased reference)
 and prints each save's GB/s and its fraction of the limit: of the median sweep's best, and
-the median of the paired ratios.
+the median of the paired ratios. ``--files`` also prints, from the ranks' telemetry, when
+each rank's last large file was durable (its ``storage.commit``) and the longest wait for a
+host write slot, per save: how evenly the ranks finished.
 """
 
 from __future__ import annotations
@@ -149,6 +151,39 @@ def report(name: str, res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def file_timeline(spool: str) -> list[str]:
+    """Per save in the telemetry spool: when each rank's last large data file was committed,
+    from the save's start, and the longest wait of one file for a host write slot."""
+    from telemetry.sinks import read_spool
+
+    events = read_spool(spool)
+    saves: list[list[dict[str, Any]]] = []  # the ranks' save spans, grouped by start
+    for e in sorted((e for e in events if e["name"] == "save" and e.get("rank") is not None),
+                    key=lambda e: e["ts"]):
+        if saves and e["ts"] - saves[-1][0]["ts"] < 1.0:
+            saves[-1].append(e)
+        else:
+            saves.append([e])
+    commits = [e for e in events if e["name"] == "storage.commit" and e.get("rank") is not None
+               and ".safetensors" in str(e.get("path"))
+               and ((e.get("attrs") or {}).get("file_bytes") or 0) >= 8 << 20]
+    lines = ["  per save: each rank's last large file durable at (s from the save's start); "
+             "the longest slot wait"]
+    for i, group in enumerate(saves):
+        t0 = min(e["ts"] for e in group)
+        t1 = max(e["ts"] + e["duration_s"] for e in group)
+        mine = [e for e in commits if t0 <= e["ts"] <= t1]
+        if not mine:
+            continue
+        done = {r: max(e["ts"] + e["duration_s"] - t0 for e in mine if e["rank"] == r)
+                for r in sorted({e["rank"] for e in mine})}
+        wait = max(mine, key=lambda e: (e.get("attrs") or {}).get("slot_wait_s") or 0)
+        lines.append(f"    save {i + 1}: " + ", ".join(f"rank {r} {s:.2f}" for r, s in done.items())
+                     + f"; spread {max(done.values()) - min(done.values()):.2f} s; slot wait "
+                     f"{(wait.get('attrs') or {}).get('slot_wait_s') or 0:.2f} s (rank {wait['rank']})")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,6 +192,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME or NAME:ENV=V,ENV=V (repeatable): saves under each environment")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--files", action="store_true",
+                        help="per save, when each rank's files were durable (from telemetry)")
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "bcp-bench-write"))
     parser.add_argument("--settle", type=float, default=2.0,
                         help="seconds the disk is left idle before each timed write")
@@ -169,10 +206,14 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
         out = f"{root}/res.json"
+        spool = os.environ["BCP_TELEMETRY_DIR"] = tempfile.mkdtemp(prefix="bcp-bench-telemetry-")
         mp.start_processes(worker, nprocs=4, start_method="spawn",
                            args=(4, free_port(), name, root, args.reps, out, parse_variants(args.variant)))
         everything[name] = json.load(open(out))
         print("\n".join(report(name, everything[name])), flush=True)
+        if args.files:
+            print("\n".join(file_timeline(spool)), flush=True)
+        shutil.rmtree(spool, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
     print(f"\ntotal {time.perf_counter() - t:.0f}s")
     if args.json:

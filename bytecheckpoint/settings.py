@@ -117,7 +117,8 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
             "page cache; 1: direct in every save; 0: everything through the page cache"),
     Setting("BCP_STORAGE_HOST_WRITERS", _S3, "4",
             "in saves training waits for: large local files written at once to one file system by "
-            "all the processes of a host (the others wait their turn; 0: no limit)"),
+            "all the processes of a host, each process at most its share of them (the others wait "
+            "their turn; 0: no limit)"),
     Setting("BCP_STORAGE_SLOTS_DIR", "bytecheckpoint/storage/write_slots.py", "the temporary directory",
             "where the host's write-slot lock files live (a directory every process of the host sees)"),
     Setting("BCP_LOAD_THREADS", "bytecheckpoint/engine/load.py",

@@ -85,6 +85,22 @@ def resolve(files_per: str | None, host_size: int | None, rank: int, world: int)
     return HostLayout(size, host, leader, tuple(range(leader + 1, min(leader + size, world))))
 
 
+def writers_per_host(files_per: str | None, host_size: int | None, world: int) -> int | None:
+    """How many processes of a host write storage files in a save of ``world`` ranks: None in
+    host mode (the leader writes and its members stream to it) or with a bad setting (the
+    save reports it); else the host's ranks, ``host_size``, else ``BCP_COMM_HOST_SIZE``, else
+    ``LOCAL_WORLD_SIZE``, else the whole world, which can only make a rank's share of the
+    host's write slots smaller."""
+    mode = files_per or os.environ.get(FILES_PER_ENV, "").strip().lower() or "rank"
+    if mode != "rank":
+        return None
+    try:
+        size = host_size_setting(host_size)
+    except ValueError:
+        return None
+    return max(1, min(world, size)) if size else world
+
+
 # -- agreeing on a plan-cache hit -----------------------------------------------------------------
 
 

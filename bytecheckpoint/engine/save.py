@@ -689,7 +689,8 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
         # Training waits for this save, so only its wall time counts, not the CPU that direct
         # writes spare; an async save's writers keep their share of the disk, so that training
         # never waits on another rank's turn.
-        storage = storage.for_waited_writes()
+        storage = storage.for_waited_writes(
+            host_files.writers_per_host(opts.files_per, opts.host_size, comm.world_size))
     if opts.step is not None:
         set_context(step=opts.step)
     job = _Job(url, storage, path, comm, opts, t0)

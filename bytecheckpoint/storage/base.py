@@ -137,11 +137,12 @@ class Storage(abc.ABC):
         anything on this backend (an S3 path without a bucket); called when a URL is opened, so
         a malformed one fails at once instead of being retried."""
 
-    def for_waited_writes(self) -> Storage:
+    def for_waited_writes(self, processes_per_host: int | None = None) -> Storage:
         """This storage tuned for writes a caller waits for (a synchronous save), where only
         the wall time counts: a local disk writes through the page cache unless
         ``BCP_STORAGE_DIRECT_WRITES=1`` and at most ``BCP_STORAGE_HOST_WRITERS`` large files at
-        once per host. Backends with nothing to tune return themselves."""
+        once per host, each of the host's ``processes_per_host`` writers (where known) taking
+        at most its share of them. Backends with nothing to tune return themselves."""
         return self
 
     # -- derived -----------------------------------------------------------------

@@ -165,7 +165,8 @@ SLOT_MIN_BYTES = 8 << 20  # a file that grows past this waits for a host write s
 
 class _LocalWriter(Writer):
     def __init__(self, path: str, fsync: bool, transfer: TransferSettings,
-                 page_cache_is_copy: bool = True, host_writers: int = 0) -> None:
+                 page_cache_is_copy: bool = True, host_writers: int = 0,
+                 slots_per_process: int = 0) -> None:
         self._path = path
         self._fsync = fsync
         self._transfer = transfer
@@ -189,6 +190,7 @@ class _LocalWriter(Writer):
         # A host-wide write slot (``write_slots``), taken at the first large write: a small
         # file (metadata, markers) never waits for one.
         self._slots = host_writers
+        self._slots_per_process = slots_per_process
         self._slot: write_slots.Slot | None = None
         self.slot_wait_s = 0.0
 
@@ -196,7 +198,7 @@ class _LocalWriter(Writer):
         mv = memoryview(data).cast("B")
         base = self._size
         if self._slot is None and self._slots and base + len(mv) > SLOT_MIN_BYTES:
-            self._slot = write_slots.take(self._path, self._slots)
+            self._slot = write_slots.take(self._path, self._slots, per_process=self._slots_per_process)
             self.slot_wait_s = self._slot.waited_s
         span = self._direct_span(mv, base)
         if span is None:
@@ -298,12 +300,17 @@ class LocalStorage(Storage):
         # Host-wide write slots (``write_slots``): only for writes a caller waits for, where
         # the disk's throughput is all that counts (``for_waited_writes``); 0: none.
         self.host_writers = 0
+        self.slots_per_process = 0  # of those, the most one process holds at once; 0: any
 
-    def for_waited_writes(self) -> Storage:
+    def for_waited_writes(self, processes_per_host: int | None = None) -> Storage:
         t = self.transfer
         dup = copy.copy(self)
         dup.transfer = dataclasses.replace(t, direct_writes=t.direct_writes and t.direct_sync_writes)
         dup.host_writers = t.host_writers if self.page_cache_is_copy else 0  # tmpfs has no disk
+        # Each writing process gets its share of the slots, so the ranks finish together
+        # (``write_slots``); unknown writers: no share.
+        dup.slots_per_process = (max(1, dup.host_writers // processes_per_host)
+                                 if dup.host_writers and processes_per_host else 0)
         return dup
 
     def _os_path(self, path: str) -> str:
@@ -312,7 +319,7 @@ class LocalStorage(Storage):
 
     def open_writer(self, path: str) -> Writer:
         return _LocalWriter(self._os_path(path), self.fsync, self.transfer, self.page_cache_is_copy,
-                            self.host_writers)
+                            self.host_writers, self.slots_per_process)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         path = self._os_path(path)

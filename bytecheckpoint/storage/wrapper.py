@@ -27,8 +27,8 @@ class StorageWrapper(Storage):
     def open_writer(self, path: str) -> Writer:
         return self.inner.open_writer(path)
 
-    def for_waited_writes(self) -> Storage:
-        inner = self.inner.for_waited_writes()
+    def for_waited_writes(self, processes_per_host: int | None = None) -> Storage:
+        inner = self.inner.for_waited_writes(processes_per_host)
         if inner is self.inner:
             return self
         dup = copy.copy(self)

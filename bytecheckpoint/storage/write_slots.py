@@ -9,6 +9,12 @@ before its first large write and keeps it until its file is durable (after fsync
 host writes with N streams while the others wait their turn. Async saves take none: there a
 rank whose turn had not come would hold up its own training.
 
+A process takes at most ``per_process`` of them at once (N over the ranks that write on the
+host, at least 1): first come, first served, one rank took two slots for its two files while
+another rank's files both waited, and the save then lasted as long as that rank's late
+writes, the disk left with fewer streams at the end. With one slot per rank each rank's bytes
+go out at about the same pace, so the ranks finish together.
+
 Slots are ``flock`` locks on N files per file system (``st_dev``) in a directory every
 process of the host sees (``BCP_STORAGE_SLOTS_DIR``, default the temporary directory). A
 lock belongs to an open file description, so two threads of one process exclude each other
@@ -37,6 +43,44 @@ class _Count:
     n = 0
 
 
+class _ProcessShare:
+    """The slots this process holds (or is taking) per file system, against its share."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held: dict[int, int] = {}
+
+    def reserve(self, device: int, share: int, deadline: float) -> bool:
+        """Count one more slot on ``device``, waiting while the process holds ``share``; False
+        at ``deadline`` (the write then goes ahead without a slot)."""
+        with self._cond:
+            while self._held.get(device, 0) >= share:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            self._held[device] = self._held.get(device, 0) + 1
+            return True
+
+    def release(self, device: int) -> None:
+        with self._cond:
+            self._held[device] -= 1
+            self._cond.notify_all()
+
+
+_share = _ProcessShare()
+
+
+def _new_share_in_child() -> None:
+    global _share, _held
+    _share = _ProcessShare()  # a forked child holds none of its parent's slots
+    _held = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_share_in_child)
+
+
 def _this_thread() -> _Count:
     count = getattr(_held, "count", None)
     if count is None:
@@ -51,10 +95,12 @@ def slots_dir() -> str:
 class Slot:
     """A held slot (or none: ``fd`` is None); ``waited_s`` is how long taking it took."""
 
-    def __init__(self, fd: int | None, waited_s: float) -> None:
+    def __init__(self, fd: int | None, waited_s: float, device: int | None = None) -> None:
         self.fd = fd
         self.waited_s = waited_s
         self._taker = _this_thread()  # a writer may be committed on another thread
+        self._device = device  # counted in this process's share (``take``'s ``per_process``)
+        self._share = _share
         if fd is not None:
             self._taker.n += 1
 
@@ -63,6 +109,8 @@ class Slot:
             fd, self.fd = self.fd, None
             self._taker.n -= 1
             os.close(fd)  # closing the description releases its lock
+            if self._device is not None:
+                self._share.release(self._device)
 
 
 def _open_slot(directory: str, device: int, index: int) -> int | None:
@@ -81,11 +129,12 @@ def _open_slot(directory: str, device: int, index: int) -> int | None:
     return fd
 
 
-def take(target: str, count: int, max_wait_s: float = MAX_WAIT_S) -> Slot:
+def take(target: str, count: int, max_wait_s: float = MAX_WAIT_S, *, per_process: int = 0) -> Slot:
     """One of ``count`` slots of the file system that holds ``target`` (a file being written),
-    waiting for one to be free; a slot of none when slots are off (``count`` < 1), when this
-    thread already holds one (a writer that opens another before closing the first must not
-    wait for itself), or after ``max_wait_s``."""
+    waiting for one to be free, and, with ``per_process`` >= 1, for this process to hold fewer
+    than that many; a slot of none when slots are off (``count`` < 1), when this thread
+    already holds one (a writer that opens another before closing the first must not wait
+    for itself), or after ``max_wait_s``."""
     if count < 1 or _this_thread().n:
         return Slot(None, 0.0)
     try:
@@ -93,6 +142,23 @@ def take(target: str, count: int, max_wait_s: float = MAX_WAIT_S) -> Slot:
     except OSError:
         return Slot(None, 0.0)
     start = time.monotonic()
+    share = _share
+    if per_process >= 1 and not share.reserve(device, per_process, start + max_wait_s):
+        return Slot(None, time.monotonic() - start)
+    counted = device if per_process >= 1 else None
+    slot = Slot(None, 0.0)
+    try:
+        slot = _take_lock(device, count, start, max_wait_s)
+    finally:
+        if slot.fd is None and counted is not None:
+            share.release(counted)  # no lock (or an error): nothing of the share is held
+    if slot.fd is not None:
+        slot._device, slot._share = counted, share
+    return slot
+
+
+def _take_lock(device: int, count: int, start: float, max_wait_s: float) -> Slot:
+    """The flock of a free slot file of ``device`` (polled until ``max_wait_s``)."""
     # Opened once for the whole wait, starting at a slot of this process's own, so that the
     # host's writers spread over the slots instead of all trying the first.
     first = os.getpid() % count

@@ -39,11 +39,12 @@ def flush_telemetry() -> int:
     return dist.get_rank()
 
 
-def save_taking_turns(root: str, slots_dir: str) -> dict[str, Any]:
-    """A synchronous save of 12 MiB per rank (past the slot threshold) with one host write slot
-    (``BCP_STORAGE_HOST_WRITERS=1``), then a load into fresh tensors: this rank's slot
-    intervals (wall clock, comparable across the host's processes) and whether the load
-    returned every byte."""
+def save_taking_turns(root: str, slots_dir: str, host_writers: int = 1, optim: bool = False
+                      ) -> dict[str, Any]:
+    """A synchronous save of 12 MiB per rank (past the slot threshold) with ``host_writers``
+    host write slots (``BCP_STORAGE_HOST_WRITERS``), and with ``optim`` a second file of 24
+    MiB per rank, then a load into fresh tensors: this rank's slot intervals (wall clock,
+    comparable across the host's processes) and whether the load returned every byte."""
     import time
 
     import torch
@@ -68,14 +69,28 @@ def save_taking_turns(root: str, slots_dir: str) -> dict[str, Any]:
         return slot
 
     old = {k: os.environ.get(k) for k in ("BCP_STORAGE_HOST_WRITERS", write_slots.SLOTS_DIR_ENV)}
-    os.environ.update({"BCP_STORAGE_HOST_WRITERS": "1", write_slots.SLOTS_DIR_ENV: slots_dir})
+    os.environ.update({"BCP_STORAGE_HOST_WRITERS": str(host_writers), write_slots.SLOTS_DIR_ENV: slots_dir})
     write_slots.take = recording_take
     try:
         gen = torch.Generator().manual_seed(rank)
-        state = {"w": torch.randn(3 << 20, generator=gen), "b": torch.randn(7, generator=gen)}
-        bcp.save(f"{root}/turns", {"model": state})
-        back = {"w": torch.zeros(3 << 20), "b": torch.zeros(7)}
-        bcp.load(f"{root}/turns", {"model": back})
+        state = {"w": torch.randn(3 << 20, generator=gen)}
+        if optim:
+            state["m"] = torch.randn(6 << 20, generator=gen)
+        else:
+            state["b"] = torch.randn(7, generator=gen)
+
+        def kinds(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+            if not optim:
+                return {"model": {k: tensors[k] for k in ("w", "b")}}  # one file (an object)
+
+            def shard(x: torch.Tensor) -> bcp.TensorShard:  # this rank's part of a 4-rank tensor
+                n = x.numel()
+                return bcp.TensorShard(x, (n * dist.get_world_size(),), (n * rank,))
+            # two files per rank: the model's kind and the optimizer's
+            return {"model": {"w": shard(tensors["w"])}, "optim": {"m": shard(tensors["m"])}}
+        bcp.save(f"{root}/turns", kinds(state))
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        bcp.load(f"{root}/turns", kinds(back))
     finally:
         write_slots.take = real_take
         for key, value in old.items():

@@ -179,8 +179,8 @@ def test_writers_of_one_host_take_turns_and_every_byte_lands(slots_dir, tmp_path
     state = {"now": 0, "most": 0}
     real_take = write_slots.take
 
-    def counting_take(target, count, max_wait_s=write_slots.MAX_WAIT_S):
-        slot = real_take(target, count, max_wait_s)
+    def counting_take(target, count, max_wait_s=write_slots.MAX_WAIT_S, per_process=0):
+        slot = real_take(target, count, max_wait_s, per_process=per_process)
         with lock:
             state["now"] += 1
             state["most"] = max(state["most"], state["now"])
@@ -225,3 +225,65 @@ def test_a_bad_host_writers_setting_is_refused_by_name(monkeypatch, raw):
         settings()
     monkeypatch.setenv("BCP_STORAGE_HOST_WRITERS", "0")
     assert settings().transfer.host_writers == 0  # off
+
+
+def test_a_process_holds_at_most_its_share_of_free_slots(slots_dir, tmp_path):
+    """With ``per_process=1`` a second file of the same process waits for the first, although
+    a slot is free: every rank of the host gets a slot before any gets two."""
+    target = str(tmp_path / "f")
+    first = write_slots.take(target, 4, per_process=1)
+    assert first.fd is not None
+    t0 = time.monotonic()
+    refused = _other_thread(lambda: write_slots.take(target, 4, max_wait_s=0.2, per_process=1))
+    assert refused.fd is None and time.monotonic() - t0 >= 0.2  # waited for its share, then went ahead
+    two = _other_thread(lambda: write_slots.take(target, 4, max_wait_s=0.2, per_process=2))
+    assert two.fd is not None and two.waited_s < 0.2  # a share of 2 takes the free slot at once
+    two.release()
+    timer = threading.Timer(0.3, first.release)
+    timer.start()
+    got = _other_thread(lambda: write_slots.take(target, 4, max_wait_s=30, per_process=1))
+    assert got.fd is not None and 0.25 <= got.waited_s < 5  # went as soon as the first let go
+    got.release()
+
+
+def test_a_refused_or_failed_take_gives_its_share_back(slots_dir, tmp_path, monkeypatch):
+    """The share counts only slots held: a take that found no slot file, gave up waiting or
+    raised leaves nothing counted, so the process's next file takes a slot at once."""
+    target = str(tmp_path / "f")
+    held = _other_thread(lambda: write_slots.take(target, 1))  # the only slot, held by another "rank"
+    gave_up = write_slots.take(target, 1, max_wait_s=0.1, per_process=1)
+    assert gave_up.fd is None
+    held.release()
+
+    def broken(*args):
+        raise OSError("slot directory vanished")
+    real = write_slots._take_lock
+    monkeypatch.setattr(write_slots, "_take_lock", broken)
+    with pytest.raises(OSError, match="vanished"):
+        write_slots.take(target, 1, per_process=1)
+    monkeypatch.setattr(write_slots, "_take_lock", real)
+    again = _other_thread(lambda: write_slots.take(target, 1, max_wait_s=0.2, per_process=1))
+    assert again.fd is not None and again.waited_s < 0.2
+    again.release()
+
+
+def test_a_forked_child_holds_none_of_its_parents_share(slots_dir, tmp_path):
+    target = str(tmp_path / "f")
+    held = write_slots.take(target, 2, per_process=1)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=lambda: out.put(write_slots.take(target, 2, max_wait_s=2, per_process=1).fd
+                                               is not None))
+    child.start()
+    assert out.get(timeout=30) is True  # the child took the other slot without waiting on the parent's share
+    child.join(timeout=30)
+    held.release()
+
+
+def test_a_waited_save_gives_each_writing_process_its_share(tmp_path):
+    storage = LocalStorage()
+    assert storage.for_waited_writes(4).slots_per_process == 1  # 4 slots, 4 ranks writing
+    assert storage.for_waited_writes(2).slots_per_process == 2
+    assert storage.for_waited_writes(8).slots_per_process == 1  # at least one
+    assert storage.for_waited_writes(None).slots_per_process == 0  # unknown: first come, first served
+    assert storage.slots_per_process == 0  # an async save's storage takes no slots at all
