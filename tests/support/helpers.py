@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,10 +47,14 @@ def payload_bytes(ckpt_dir: str) -> int:
 
 
 @contextmanager
-def env_set(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the block, then restore what was there."""
+def env_set(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set environment variables for the block (None: unset), then restore what was there."""
     old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:

@@ -12,6 +12,7 @@ import bytecheckpoint as bcp
 import telemetry
 from bytecheckpoint.storage import faults
 from tests.support import workloads as w
+from tests.support.helpers import env_set
 
 
 def set_faults(spec: str | None, env: dict[str, str] | None = None) -> None:
@@ -109,29 +110,19 @@ def save_and_load_with_launcher_env(root: str, env: dict[str, str | None]) -> di
     rank's pid, its rank and when it began, to match events."""
     from telemetry.context import reset_context
 
-    saved = {k: os.environ.get(k) for k in env}
     try:
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        reset_context()
-        started = time.time()
-        # the manager first: nothing before it has stamped the context
-        manager = bcp.CheckpointManager(f"{root}-managed", record_step_time=True)
-        for step in range(1, 4):  # a train.step span per step after the first
-            manager.should_save(step)
-        manager.close()
-        reset_context()  # and the save and the load stamp it themselves
-        w.fsdp2_train_save(root, 1)
-        w.fsdp2_load(f"{root}/step_1")
-        telemetry.flush()
+        with env_set(env):
+            reset_context()
+            started = time.time()
+            # the manager first: nothing before it has stamped the context
+            manager = bcp.CheckpointManager(f"{root}-managed", record_step_time=True)
+            for step in range(1, 4):  # a train.step span per step after the first
+                manager.should_save(step)
+            manager.close()
+            reset_context()  # and the save and the load stamp it themselves
+            w.fsdp2_train_save(root, 1)
+            w.fsdp2_load(f"{root}/step_1")
+            telemetry.flush()
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         reset_context()
     return {"pid": os.getpid(), "rank": dist.get_rank(), "started": started}
