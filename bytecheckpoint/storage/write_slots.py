@@ -50,7 +50,7 @@ class _ProcessShare:
         self._cond = threading.Condition()
         self._held: dict[int, int] = {}
 
-    def reserve(self, device: int, share: int, deadline: float) -> bool:
+    def claim(self, device: int, share: int, deadline: float) -> bool:
         """Count one more slot on ``device``, waiting while the process holds ``share``; False
         at ``deadline`` (the write then goes ahead without a slot)."""
         with self._cond:
@@ -62,7 +62,7 @@ class _ProcessShare:
             self._held[device] = self._held.get(device, 0) + 1
             return True
 
-    def release(self, device: int) -> None:
+    def give_back(self, device: int) -> None:
         with self._cond:
             self._held[device] -= 1
             self._cond.notify_all()
@@ -110,7 +110,7 @@ class Slot:
             self._taker.n -= 1
             os.close(fd)  # closing the description releases its lock
             if self._device is not None:
-                self._share.release(self._device)
+                self._share.give_back(self._device)
 
 
 def _open_slot(directory: str, device: int, index: int) -> int | None:
@@ -143,7 +143,7 @@ def take(target: str, count: int, max_wait_s: float = MAX_WAIT_S, *, per_process
         return Slot(None, 0.0)
     start = time.monotonic()
     share = _share
-    if per_process >= 1 and not share.reserve(device, per_process, start + max_wait_s):
+    if per_process >= 1 and not share.claim(device, per_process, start + max_wait_s):
         return Slot(None, time.monotonic() - start)
     counted = device if per_process >= 1 else None
     slot = Slot(None, 0.0)
@@ -151,7 +151,7 @@ def take(target: str, count: int, max_wait_s: float = MAX_WAIT_S, *, per_process
         slot = _take_lock(device, count, start, max_wait_s)
     finally:
         if slot.fd is None and counted is not None:
-            share.release(counted)  # no lock (or an error): nothing of the share is held
+            share.give_back(counted)  # no lock (or an error): nothing of the share is held
     if slot.fd is not None:
         slot._device, slot._share = counted, share
     return slot
