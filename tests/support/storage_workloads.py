@@ -69,36 +69,31 @@ def save_taking_turns(root: str, slots_dir: str, host_writers: int = 1, optim: b
         slot.release = recorded  # type: ignore[method-assign]
         return slot
 
-    old = {k: os.environ.get(k) for k in ("BCP_STORAGE_HOST_WRITERS", write_slots.SLOTS_DIR_ENV)}
-    os.environ.update({"BCP_STORAGE_HOST_WRITERS": str(host_writers), write_slots.SLOTS_DIR_ENV: slots_dir})
+    env = {"BCP_STORAGE_HOST_WRITERS": str(host_writers), write_slots.SLOTS_DIR_ENV: slots_dir}
     write_slots.take = recording_take
     try:
-        gen = torch.Generator().manual_seed(rank)
-        state = {"w": torch.randn(3 << 20, generator=gen)}
-        if optim:
-            state["m"] = torch.randn(6 << 20, generator=gen)
-        else:
-            state["b"] = torch.randn(7, generator=gen)
+        with env_set(env):
+            gen = torch.Generator().manual_seed(rank)
+            state = {"w": torch.randn(3 << 20, generator=gen)}
+            if optim:
+                state["m"] = torch.randn(6 << 20, generator=gen)
+            else:
+                state["b"] = torch.randn(7, generator=gen)
 
-        def kinds(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-            if not optim:
-                return {"model": {k: tensors[k] for k in ("w", "b")}}  # one file (an object)
+            def kinds(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+                if not optim:
+                    return {"model": {k: tensors[k] for k in ("w", "b")}}  # one file (an object)
 
-            def shard(x: torch.Tensor) -> bcp.TensorShard:  # this rank's part of a 4-rank tensor
-                n = x.numel()
-                return bcp.TensorShard(x, (n * dist.get_world_size(),), (n * rank,))
-            # two files per rank: the model's kind and the optimizer's
-            return {"model": {"w": shard(tensors["w"])}, "optim": {"m": shard(tensors["m"])}}
-        bcp.save(f"{root}/turns", kinds(state))
-        back = {k: torch.zeros_like(v) for k, v in state.items()}
-        bcp.load(f"{root}/turns", kinds(back))
+                def shard(x: torch.Tensor) -> bcp.TensorShard:  # this rank's part of a 4-rank tensor
+                    n = x.numel()
+                    return bcp.TensorShard(x, (n * dist.get_world_size(),), (n * rank,))
+                # two files per rank: the model's kind and the optimizer's
+                return {"model": {"w": shard(tensors["w"])}, "optim": {"m": shard(tensors["m"])}}
+            bcp.save(f"{root}/turns", kinds(state))
+            back = {k: torch.zeros_like(v) for k, v in state.items()}
+            bcp.load(f"{root}/turns", kinds(back))
     finally:
         write_slots.take = real_take
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     exact = all(torch.equal(state[k], back[k]) for k in state)
     return {"held": held, "exact": exact}
 
