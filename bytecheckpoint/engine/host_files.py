@@ -65,11 +65,16 @@ class HostLayout:
         return data_file_name(kind, f"h{self.host:05d}", tag)
 
 
+def _files_mode(files_per: str | None) -> str:
+    """``files_per``, else ``BCP_FILES_PER``, else ``"rank"`` (not validated here)."""
+    return files_per or os.environ.get(FILES_PER_ENV, "").strip().lower() or "rank"
+
+
 def resolve(files_per: str | None, host_size: int | None, rank: int, world: int) -> HostLayout | None:
     """The host layout of ``files_per="host"``, None for one file per rank. ``files_per``
     defaults to ``BCP_FILES_PER`` (else ``"rank"``); the host size is ``host_size``, else
     ``BCP_COMM_HOST_SIZE``, else ``LOCAL_WORLD_SIZE`` (the coordination tree's hosts)."""
-    mode = files_per or os.environ.get(FILES_PER_ENV, "").strip().lower() or "rank"
+    mode = _files_mode(files_per)
     if mode not in FILES_PER:
         raise ValueError(f"files_per={mode!r}: expected one of {FILES_PER} (argument or {FILES_PER_ENV})")
     if mode == "rank":
@@ -91,8 +96,7 @@ def writers_per_host(files_per: str | None, host_size: int | None, world: int) -
     save reports it); else the host's ranks, ``host_size``, else ``BCP_COMM_HOST_SIZE``, else
     ``LOCAL_WORLD_SIZE``, else the whole world, which can only make a rank's share of the
     host's write slots smaller."""
-    mode = files_per or os.environ.get(FILES_PER_ENV, "").strip().lower() or "rank"
-    if mode != "rank":
+    if _files_mode(files_per) != "rank":
         return None
     try:
         size = host_size_setting(host_size)

@@ -95,11 +95,12 @@ def slots_dir() -> str:
 class Slot:
     """A held slot (or none: ``fd`` is None); ``waited_s`` is how long taking it took."""
 
-    def __init__(self, fd: int | None, waited_s: float, device: int | None = None) -> None:
+    def __init__(self, fd: int | None, waited_s: float) -> None:
         self.fd = fd
         self.waited_s = waited_s
         self._taker = _this_thread()  # a writer may be committed on another thread
-        self._device = device  # counted in this process's share (``take``'s ``per_process``)
+        # set by ``take`` where the slot counts in this process's share (``per_process``)
+        self._device: int | None = None
         self._share = _share
         if fd is not None:
             self._taker.n += 1
