@@ -17,7 +17,9 @@ on 4 CPU processes (gloo) builds its state. Then, ``--reps`` times, each measure
           the sweeps so far (the disk's speed drifts within a minute; measured next to each
           save it is an unbiased reference)
 and prints each save's GB/s and its fraction of the limit: of the median sweep's best, and
-the median of the paired ratios. ``--files`` also prints, from the ranks' telemetry, when
+the median of the paired ratios. ``--models skew`` is a state of two plain sharded tensors
+(a model file and an optimizer file per rank) in which rank 0 holds 4 times what each other
+rank holds: 2.82 GB, 1.61 GB of it rank 0's. ``--files`` also prints, from the ranks' telemetry, when
 each rank's last large file was durable (its ``storage.commit``) and the longest wait for a
 host write slot, per save: how evenly the ranks finished.
 """
@@ -74,7 +76,7 @@ def limits(root: str, nbytes: int, counts: list[int]) -> dict[int, float]:
     return out
 
 
-def timed_save(variant: dict[str, str], state: dict[str, Any], path: str) -> float:
+def timed_save(variant: dict[str, str], state: dict[str, Any], path: str, framework: str | None) -> float:
     import bytecheckpoint as bcp
 
     dist.barrier()
@@ -83,7 +85,7 @@ def timed_save(variant: dict[str, str], state: dict[str, Any], path: str) -> flo
     dist.barrier()
     with env_set(variant):
         t = time.perf_counter()
-        bcp.save(path, state, framework="fsdp2")
+        bcp.save(path, state, framework=framework)
         elapsed = max_over_ranks(time.perf_counter() - t)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -95,6 +97,25 @@ def best_count(sweeps: list[dict[int, float]]) -> int:
     return max(SWEEP, key=lambda c: med([sw[c] for sw in sweeps]))
 
 
+SKEW_UNITS = (4, 1, 1, 1)  # ``--models skew``: units of rows per rank
+SKEW_ROW = 1 << 16  # float32 elements per row
+SKEW_ROWS = {"model": 512, "optim": 1024}  # per unit: 128 and 256 MiB
+
+
+def skewed_state(rank: int) -> dict[str, Any]:
+    """Two row-sharded tensors, one per kind (a file each), rank 0 holding 4 units of rows and
+    every other rank 1."""
+    import bytecheckpoint as bcp
+
+    first, units = sum(SKEW_UNITS[:rank]), sum(SKEW_UNITS)
+    gen = torch.Generator().manual_seed(rank)
+    state: dict[str, Any] = {}
+    for kind, rows in SKEW_ROWS.items():
+        data = torch.randn(SKEW_UNITS[rank] * rows, SKEW_ROW, generator=gen)
+        state[kind] = {"t": bcp.TensorShard(data, (units * rows, SKEW_ROW), (first * rows, 0))}
+    return state
+
+
 def worker(rank: int, world: int, port: int, model: str, root: str, reps: int, out_file: str,
            variants: dict[str, dict[str, str]]) -> None:
     import bytecheckpoint as bcp
@@ -102,8 +123,9 @@ def worker(rank: int, world: int, port: int, model: str, root: str, reps: int, o
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
-    state = make_state(MODELS[model], seed=0)
-    bcp.save(f"{root}/warm", state, framework="fsdp2")  # first-save costs, and the byte count
+    state = skewed_state(rank) if model == "skew" else make_state(MODELS[model], seed=0)
+    framework = None if model == "skew" else "fsdp2"
+    bcp.save(f"{root}/warm", state, framework=framework)  # first-save costs, and the byte count
     dist.barrier()
     nbytes = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(f"{root}/warm") for n in ns)
     dist.barrier()
@@ -116,7 +138,7 @@ def worker(rank: int, world: int, port: int, model: str, root: str, reps: int, o
         best = gather(best_count(res["sweeps"]) if rank == 0 else 0)[0]
         for v in names[rep % len(names):] + names[:rep % len(names)]:
             before = limits(root, nbytes, [best])
-            s = timed_save(variants[v], state, f"{root}/ckpt")
+            s = timed_save(variants[v], state, f"{root}/ckpt", framework)
             after = limits(root, nbytes, [best])
             paired = (before[best] + after[best]) / 2 if rank == 0 else 0.0
             res["saves"][v].append({"s": s, "paired": paired, "best": best})
@@ -187,7 +209,8 @@ def file_timeline(spool: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="medium", help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--models", default="medium",
+                        help=f"comma-separated: {', '.join(MODELS)}, skew")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME or NAME:ENV=V,ENV=V (repeatable): saves under each environment")

@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from fractions import Fraction
 
 import torch
 
@@ -90,19 +91,27 @@ def resolve(files_per: str | None, host_size: int | None, rank: int, world: int)
     return HostLayout(size, host, leader, tuple(range(leader + 1, min(leader + size, world))))
 
 
-def writers_per_host(files_per: str | None, host_size: int | None, world: int) -> int | None:
-    """How many processes of a host write storage files in a save of ``world`` ranks: None in
-    host mode (the leader writes and its members stream to it) or with a bad setting (the
-    save reports it); else the host's ranks, ``host_size``, else ``BCP_COMM_HOST_SIZE``, else
-    ``LOCAL_WORLD_SIZE``, else the whole world, which can only make a rank's share of the
-    host's write slots smaller."""
+def write_shares(files_per: str | None, host_size: int | None, rank_bytes: list[int]
+                 ) -> list[Fraction | None]:
+    """Each rank's part of the bytes its host writes in a save (``Storage.for_waited_writes``),
+    from every rank's planned bytes: the host is a block of ``host_size`` ranks, else
+    ``BCP_COMM_HOST_SIZE``, else ``LOCAL_WORLD_SIZE``, else the whole world (which can only
+    make a part smaller). None for every rank in host mode (the leader writes the host's
+    files) or with a bad setting (the save reports it), and for a host with nothing to write."""
+    world = len(rank_bytes)
     if _files_mode(files_per) != "rank":
-        return None
+        return [None] * world
     try:
         size = host_size_setting(host_size)
     except ValueError:
-        return None
-    return max(1, min(world, size)) if size else world
+        return [None] * world
+    size = max(1, min(world, size)) if size else max(1, world)
+    shares: list[Fraction | None] = []
+    for rank, mine in enumerate(rank_bytes):
+        first = rank - rank % size
+        host = sum(rank_bytes[first:first + size])
+        shares.append(Fraction(mine, host) if host > 0 else None)
+    return shares
 
 
 # -- agreeing on a plan-cache hit -----------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from ..format.checksums import DEFAULT_CHUNK_BYTES
@@ -52,6 +53,9 @@ class Assignment:
     items: list[WriteItem]
     shared_keys: list[str]
     plan_id: str = ""  # the save that made the plan (the cache's key for "same plan")
+    # This rank's part of its host's bytes: its share of the host's write slots
+    # (``host_files.write_shares``); None: no share.
+    write_share: Fraction | None = None
 
 
 @dataclass(frozen=True)

@@ -249,8 +249,12 @@ def _plan_globally(job: _Job, plans: list[LocalSavePlan]) -> list[Outcome]:
         lock.release()
         raise
     job.lock = lock
-    return [Outcome(value=Assign(Assignment(staging, save_id, items, shared, save_id)))
-            for items, shared in zip(job.global_plan.assignments, job.global_plan.shared_assignments)]
+    rank_bytes = [p.object_bytes + sum(i.nbytes for i in items)
+                  for p, items in zip(plans, job.global_plan.assignments)]
+    shares = host_files.write_shares(job.opts.files_per, job.opts.host_size, rank_bytes)
+    return [Outcome(value=Assign(Assignment(staging, save_id, items, shared, save_id, share)))
+            for items, shared, share in zip(job.global_plan.assignments,
+                                            job.global_plan.shared_assignments, shares)]
 
 
 def _commit(job: _Job, staging: str, save_id: str, writes: list[RankWrite], template: Any) -> Totals:
@@ -573,7 +577,7 @@ def _commit_round(job: _Job, assignment: Assignment, written: RankWrite | None,
     assert job.local is not None
     plan_cache.put(comm.global_ranks, CacheEntry(
         job.key, assignment.plan_id, 0, assignment.items, assignment.shared_keys,
-        job.global_plan, template, job.locators))
+        job.global_plan, template, job.locators, assignment.write_share))
     return final.value
 
 
@@ -685,12 +689,6 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
     comm = Communicator(opts.process_group, dedicated=True)
     stamp_rank()
     storage, path = open_storage(url)
-    if not opts.async_save:
-        # Training waits for this save, so only its wall time counts, not the CPU that direct
-        # writes spare; an async save's writers keep their share of the disk, so that training
-        # never waits on another rank's turn.
-        storage = storage.for_waited_writes(
-            host_files.writers_per_host(opts.files_per, opts.host_size, comm.world_size))
     if opts.step is not None:
         set_context(step=opts.step)
     job = _Job(url, storage, path, comm, opts, t0)
@@ -726,11 +724,16 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
                 assert entry is not None
                 save_id = entry.save_id()
                 assignment = Assignment(staging_path(path, save_id), save_id, entry.items,
-                                         entry.shared_keys, entry.plan_id)
+                                         entry.shared_keys, entry.plan_id, entry.write_share)
             else:
                 plan_cache.drop(comm.global_ranks)
                 assignment = _plan(job, local_error)
         job.phases["plan"] = time.perf_counter() - t
+        if not opts.async_save:
+            # Training waits for this save, so only its wall time counts, not the CPU that direct
+            # writes spare; an async save's writers keep their part of the disk, so that training
+            # never waits on another rank's turn.
+            job.storage = job.storage.for_waited_writes(assignment.write_share)
 
         t = time.perf_counter()
         sources = _Sources(job, assignment, stage=opts.async_save,

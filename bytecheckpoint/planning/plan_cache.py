@@ -21,6 +21,7 @@ from __future__ import annotations
 import marshal
 import threading
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import xxhash
@@ -41,6 +42,7 @@ class CacheEntry:
     # Opaque to planning: the engine's per-item positions in the rank's shards, a function
     # of the boxes the key covers (engine/save.py, _locate).
     locators: list[Any] | None = None
+    write_share: Fraction | None = None  # this rank's part of its host's bytes (engine/save.py)
 
     def save_id(self) -> str:
         """The id of the next save under this plan (the same on every rank)."""

@@ -12,6 +12,7 @@ import enum
 import logging
 import posixpath
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any, ClassVar
 
 from ..errors import NotARegularFileError
@@ -137,12 +138,13 @@ class Storage(abc.ABC):
         anything on this backend (an S3 path without a bucket); called when a URL is opened, so
         a malformed one fails at once instead of being retried."""
 
-    def for_waited_writes(self, processes_per_host: int | None = None) -> Storage:
+    def for_waited_writes(self, share_of_host: Fraction | None = None) -> Storage:
         """This storage tuned for writes a caller waits for (a synchronous save), where only
         the wall time counts: a local disk writes through the page cache unless
         ``BCP_STORAGE_DIRECT_WRITES=1`` and at most ``BCP_STORAGE_HOST_WRITERS`` large files at
-        once per host, each of the host's ``processes_per_host`` writers (where known) taking
-        at most its share of them. Backends with nothing to tune return themselves."""
+        once per host. ``share_of_host``, where known, is the part of the host's bytes this
+        process writes; its files then hold at most that part of the host's slots (at least
+        one). Backends with nothing to tune return themselves."""
         return self
 
     # -- derived -----------------------------------------------------------------

@@ -12,10 +12,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
+import math
 import os
 import shutil
 import stat
 from collections.abc import Iterator
+from fractions import Fraction
 
 from ..errors import NotARegularFileError
 from . import direct_io, parallel, write_slots
@@ -302,15 +304,15 @@ class LocalStorage(Storage):
         self.host_writers = 0
         self.slots_per_process = 0  # of those, the most one process holds at once; 0: any
 
-    def for_waited_writes(self, processes_per_host: int | None = None) -> Storage:
+    def for_waited_writes(self, share_of_host: Fraction | None = None) -> Storage:
         t = self.transfer
         dup = copy.copy(self)
         dup.transfer = dataclasses.replace(t, direct_writes=t.direct_writes and t.direct_sync_writes)
         dup.host_writers = t.host_writers if self.page_cache_is_copy else 0  # tmpfs has no disk
-        # Each writing process gets its share of the slots, so the ranks finish together
-        # (``write_slots``); unknown writers: no share.
-        dup.slots_per_process = (max(1, dup.host_writers // processes_per_host)
-                                 if dup.host_writers and processes_per_host else 0)
+        # Each writing process holds slots in proportion to its bytes, so the ranks finish
+        # together (``write_slots``); an unknown share: no limit.
+        dup.slots_per_process = (max(1, math.floor(dup.host_writers * share_of_host))
+                                 if dup.host_writers and share_of_host else 0)
         return dup
 
     def _os_path(self, path: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from fractions import Fraction
 from typing import TypeVar
 
 from .base import Storage, Writer
@@ -27,8 +28,8 @@ class StorageWrapper(Storage):
     def open_writer(self, path: str) -> Writer:
         return self.inner.open_writer(path)
 
-    def for_waited_writes(self, processes_per_host: int | None = None) -> Storage:
-        inner = self.inner.for_waited_writes(processes_per_host)
+    def for_waited_writes(self, share_of_host: Fraction | None = None) -> Storage:
+        inner = self.inner.for_waited_writes(share_of_host)
         if inner is self.inner:
             return self
         dup = copy.copy(self)

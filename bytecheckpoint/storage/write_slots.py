@@ -9,11 +9,13 @@ before its first large write and keeps it until its file is durable (after fsync
 host writes with N streams while the others wait their turn. Async saves take none: there a
 rank whose turn had not come would hold up its own training.
 
-A process takes at most ``per_process`` of them at once (N over the ranks that write on the
-host, at least 1): first come, first served, one rank took two slots for its two files while
+A process takes at most ``per_process`` of them at once: its part of the host's bytes times
+N, at least 1. First come, first served, one rank took two slots for its two files while
 another rank's files both waited, and the save then lasted as long as that rank's late
-writes, the disk left with fewer streams at the end. With one slot per rank each rank's bytes
-go out at about the same pace, so the ranks finish together.
+writes, the disk left with fewer streams at the end. With slots in proportion to bytes each
+rank's bytes go out at about the same pace, so the ranks finish together; an equal share
+(one slot per rank of four) held back a rank that wrote four times as much as each of the
+others, and its files then went out one at a time once the others were done.
 
 Slots are ``flock`` locks on N files per file system (``st_dev``) in a directory every
 process of the host sees (``BCP_STORAGE_SLOTS_DIR``, default the temporary directory). A

@@ -40,12 +40,14 @@ def flush_telemetry() -> int:
     return dist.get_rank()
 
 
-def save_taking_turns(root: str, slots_dir: str, host_writers: int = 1, optim: bool = False
-                      ) -> dict[str, Any]:
+def save_taking_turns(root: str, slots_dir: str, host_writers: int = 1, optim: bool = False,
+                      heavy: int = 1, again: bool = False) -> dict[str, Any]:
     """A synchronous save of 12 MiB per rank (past the slot threshold) with ``host_writers``
     host write slots (``BCP_STORAGE_HOST_WRITERS``), and with ``optim`` a second file of 24
-    MiB per rank, then a load into fresh tensors: this rank's slot intervals (wall clock,
-    comparable across the host's processes) and whether the load returned every byte."""
+    MiB per rank, rank 0 writing ``heavy`` times as much as each other rank, then a load into
+    fresh tensors: this rank's slot intervals (wall clock, comparable across the host's
+    processes) and whether the load returned every byte. With ``again``, a second save of the
+    same state follows (the plan cache serves it): its intervals, and whether it was served."""
     import time
 
     import torch
@@ -74,9 +76,10 @@ def save_taking_turns(root: str, slots_dir: str, host_writers: int = 1, optim: b
     try:
         with env_set(env):
             gen = torch.Generator().manual_seed(rank)
-            state = {"w": torch.randn(3 << 20, generator=gen)}
+            units = [heavy] + [1] * (dist.get_world_size() - 1)  # rank 0 holds ``heavy`` units
+            state = {"w": torch.randn(units[rank] * (3 << 20), generator=gen)}
             if optim:
-                state["m"] = torch.randn(6 << 20, generator=gen)
+                state["m"] = torch.randn(units[rank] * (6 << 20), generator=gen)
             else:
                 state["b"] = torch.randn(7, generator=gen)
 
@@ -85,17 +88,19 @@ def save_taking_turns(root: str, slots_dir: str, host_writers: int = 1, optim: b
                     return {"model": {k: tensors[k] for k in ("w", "b")}}  # one file (an object)
 
                 def shard(x: torch.Tensor) -> bcp.TensorShard:  # this rank's part of a 4-rank tensor
-                    n = x.numel()
-                    return bcp.TensorShard(x, (n * dist.get_world_size(),), (n * rank,))
+                    unit = x.numel() // units[rank]
+                    return bcp.TensorShard(x, (unit * sum(units),), (unit * sum(units[:rank]),))
                 # two files per rank: the model's kind and the optimizer's
                 return {"model": {"w": shard(tensors["w"])}, "optim": {"m": shard(tensors["m"])}}
             bcp.save(f"{root}/turns", kinds(state))
+            first = list(held)
+            cached = again and bcp.save(f"{root}/turns-again", kinds(state)).cached_plan
             back = {k: torch.zeros_like(v) for k, v in state.items()}
             bcp.load(f"{root}/turns", kinds(back))
     finally:
         write_slots.take = real_take
     exact = all(torch.equal(state[k], back[k]) for k in state)
-    return {"held": held, "exact": exact}
+    return {"held": first, "held_again": held[len(first):], "cached": cached, "exact": exact}
 
 
 def save_and_load_with_launcher_env(root: str, env: dict[str, str | None]) -> dict[str, Any]:

@@ -7,9 +7,11 @@ import os
 import signal
 import threading
 import time
+from fractions import Fraction
 
 import pytest
 
+from bytecheckpoint.engine.host_files import write_shares
 from bytecheckpoint.storage import write_slots
 from bytecheckpoint.storage.local import SLOT_MIN_BYTES, LocalStorage
 
@@ -282,8 +284,32 @@ def test_a_forked_child_holds_none_of_its_parents_share(slots_dir, tmp_path):
 
 def test_a_waited_save_gives_each_writing_process_its_share(tmp_path):
     storage = LocalStorage()
-    assert storage.for_waited_writes(4).slots_per_process == 1  # 4 slots, 4 ranks writing
-    assert storage.for_waited_writes(2).slots_per_process == 2
-    assert storage.for_waited_writes(8).slots_per_process == 1  # at least one
+    assert storage.transfer.host_writers == 4
+    assert storage.for_waited_writes(Fraction(1, 4)).slots_per_process == 1  # 4 ranks, equal bytes
+    assert storage.for_waited_writes(Fraction(1, 2)).slots_per_process == 2
+    assert storage.for_waited_writes(Fraction(4, 7)).slots_per_process == 2  # rounded down
+    assert storage.for_waited_writes(Fraction(1, 1)).slots_per_process == 4
+    assert storage.for_waited_writes(Fraction(1, 8)).slots_per_process == 1  # at least one
     assert storage.for_waited_writes(None).slots_per_process == 0  # unknown: first come, first served
     assert storage.slots_per_process == 0  # an async save's storage takes no slots at all
+
+
+def test_each_rank_s_share_is_its_part_of_its_host_s_bytes(monkeypatch):
+    for name in ("BCP_COMM_HOST_SIZE", "LOCAL_WORLD_SIZE", "BCP_FILES_PER"):
+        monkeypatch.delenv(name, raising=False)
+    assert write_shares(None, None, [10, 10, 10, 10]) == [Fraction(1, 4)] * 4
+    assert write_shares(None, None, [40, 10, 10, 10]) == [Fraction(4, 7)] + [Fraction(1, 7)] * 3
+    # hosts of 2 ranks: each rank's part of its own host's bytes
+    assert write_shares(None, 2, [30, 10, 5, 5]) == [Fraction(3, 4), Fraction(1, 4), Fraction(1, 2),
+                                                     Fraction(1, 2)]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert write_shares(None, None, [30, 10, 5, 5])[0] == Fraction(3, 4)
+    monkeypatch.setenv("BCP_COMM_HOST_SIZE", "3")  # the last host is short
+    assert write_shares(None, None, [1, 1, 2, 6]) == [Fraction(1, 4), Fraction(1, 4), Fraction(1, 2), 1]
+    monkeypatch.setenv("BCP_COMM_HOST_SIZE", "64")  # more than the world: one host
+    assert write_shares(None, None, [1, 3]) == [Fraction(1, 4), Fraction(3, 4)]
+    monkeypatch.setenv("BCP_COMM_HOST_SIZE", "many")  # the save reports the bad setting
+    assert write_shares(None, None, [1, 3]) == [None, None]
+    monkeypatch.delenv("BCP_COMM_HOST_SIZE")
+    assert write_shares("host", 2, [1, 3]) == [None, None]  # the leader writes the host's files
+    assert write_shares(None, 2, [0, 0, 0, 8]) == [None, None, 0, 1]  # a host with nothing to write
