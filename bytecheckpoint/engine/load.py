@@ -51,7 +51,7 @@ from ..planners import get_planner
 from ..runtime.comm import Communicator, Outcome, raise_failures
 from ..runtime.devices import exchange_device
 from ..runtime.gc_pause import gc_paused
-from ..runtime.identity import stamp_rank
+from ..runtime.identity import stamp_rank, stamp_topology
 from ..state.flatten import FlatState, flatten_state
 from ..storage import Storage
 from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects
@@ -277,6 +277,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
         has_saved_state=lambda prefix: any(k.startswith(prefix) for k in saved_keys),
         saved_as_tensors=lambda key: key in tensor_roots and key not in object_keys,
     )
+    stamp_topology(flat.tensors.values())
     planner = get_planner(framework, flat, comm)
     file_index = {f.name: i for i, f in enumerate(meta.files)}
     problems: list[StateMismatchError] = []

@@ -69,7 +69,7 @@ from ..runtime import gc_pause
 from ..runtime.comm import Communicator, Outcome, summarize_failures
 from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
-from ..runtime.identity import stamp_rank
+from ..runtime.identity import stamp_rank, stamp_topology
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
 from . import host_files, pieces_memo, snapshot, staging, staging_ring, write_through
@@ -163,6 +163,7 @@ def _source_views(job: _Job, items: list[WriteItem], locators: list[Locator] | N
 def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[str], str] | None) -> None:
     comm = job.comm
     flat = flatten_state(state, fqn_map=fqn_map)
+    stamp_topology(flat.tensors.values())
     planner = get_planner(framework, flat, comm)
     memo = pieces_memo.lookup(planner.name, comm.global_ranks, flat.tensors)
     if memo is not None:  # the same tensors as the last save: the same pieces

@@ -126,3 +126,44 @@ def save_and_load_with_launcher_env(root: str, env: dict[str, str | None]) -> di
     finally:
         reset_context()
     return {"pid": os.getpid(), "rank": dist.get_rank(), "started": started}
+
+
+def save_and_load_on_mesh(root: str, shape: tuple[int, ...], names: tuple[str, ...], sub: str | None,
+                          preset: dict[str, int | None], before: tuple[str, ...] | None = None
+                          ) -> dict[str, Any]:
+    """A save and a load of one DTensor on a device mesh of ``shape`` and dimension ``names``
+    (on the sub-mesh of dimension ``sub`` when given, as a pipeline stage's tensors are), the
+    program having set the telemetry fields ``preset`` first, and with ``before`` a save on a
+    mesh of those names before that. This rank's pid and its coordinate in the whole mesh, to
+    match the events; the context is reset after."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from bytecheckpoint.runtime import identity
+    from telemetry.context import reset_context
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    on = mesh[sub] if sub else mesh
+    full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+
+    def module(values: torch.Tensor, where: Any) -> torch.nn.Module:  # sharded tensors live in modules
+        m = torch.nn.Module()
+        m.w = torch.nn.Parameter(distribute_tensor(values, where, [Shard(0)] * where.ndim))
+        return m
+    try:
+        reset_context()
+        identity._stamped.clear()
+        telemetry.set_context(**preset)
+        if before:
+            earlier = init_device_mesh("cpu", shape, mesh_dim_names=before)
+            bcp.save(f"{root}-before", {"model": module(full, earlier)})
+        bcp.save(root, {"model": module(full, on)})
+        back = module(torch.zeros_like(full), on)
+        bcp.load(root, {"model": back})
+        telemetry.flush()
+        exact = torch.equal(back.w.full_tensor(), full)
+    finally:
+        reset_context()
+        identity._stamped.clear()
+    return {"pid": os.getpid(), "coordinate": list(mesh.get_coordinate()), "exact": exact}
