@@ -106,12 +106,10 @@ def write_shares(files_per: str | None, host_size: int | None, rank_bytes: list[
     except ValueError:
         return [None] * world
     size = max(1, min(world, size)) if size else max(1, world)
-    shares: list[Fraction | None] = []
-    for rank, mine in enumerate(rank_bytes):
-        first = rank - rank % size
-        host = sum(rank_bytes[first:first + size])
-        shares.append(Fraction(mine, host) if host > 0 else None)
-    return shares
+    # each host's total once: a save of many ranks with no host size is one host of them all
+    hosts = [sum(rank_bytes[first:first + size]) for first in range(0, world, size)]
+    return [Fraction(mine, hosts[rank // size]) if hosts[rank // size] > 0 else None
+            for rank, mine in enumerate(rank_bytes)]
 
 
 # -- agreeing on a plan-cache hit -----------------------------------------------------------------
