@@ -51,7 +51,7 @@ from ..planners import get_planner
 from ..runtime.comm import Communicator, Outcome, raise_failures
 from ..runtime.devices import exchange_device
 from ..runtime.gc_pause import gc_paused
-from ..runtime.identity import stamp_rank, stamp_topology
+from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
 from ..storage import Storage
 from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects
@@ -179,6 +179,7 @@ def load(
     t0 = time.perf_counter()
     comm = Communicator(process_group)
     stamp_rank()
+    stamp_topology(state_tensors(state))
     phases: dict[str, float] = {}
     error: BaseException | None = None
     result: LoadResult | None = None

@@ -69,7 +69,7 @@ from ..runtime import gc_pause
 from ..runtime.comm import Communicator, Outcome, summarize_failures
 from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
-from ..runtime.identity import stamp_rank, stamp_topology
+from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
 from . import host_files, pieces_memo, snapshot, staging, staging_ring, write_through
@@ -689,6 +689,7 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
     t0 = time.perf_counter()
     comm = Communicator(opts.process_group, dedicated=True)
     stamp_rank()
+    stamp_topology(state_tensors(state))
     storage, path = open_storage(url)
     if opts.step is not None:
         set_context(step=opts.step)

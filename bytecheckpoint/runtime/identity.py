@@ -13,9 +13,10 @@ reads them from the device mesh, when its dimensions carry the usual names (``AX
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from telemetry import get_context, set_context
@@ -90,6 +91,32 @@ def stamp_topology(tensors: Iterable[Any]) -> None:
             else:
                 _stamped[axis] = index
         set_context(**updates)
+
+
+def state_tensors(state: Any, _seen: set[int] | None = None) -> Iterator[Any]:
+    """The tensors a save or load is handed, found without flattening it: in mappings, lists
+    and tuples, a module's parameters and buffers and an optimizer's parameters (a lazy walk,
+    so ``stamp_topology`` stops at the first DTensor). The state's first events (a load's
+    metadata read, a save's first storage calls) come before the flattening, and carried no
+    dp / tp / pp, or an earlier mesh's, without it."""
+    seen = set() if _seen is None else _seen
+    if id(state) in seen:
+        return
+    seen.add(id(state))
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, torch.nn.Module):
+        yield from state.parameters()
+        yield from state.buffers()
+    elif isinstance(state, torch.optim.Optimizer):
+        for group in state.param_groups:
+            yield from group.get("params", ())
+    elif isinstance(state, Mapping):
+        for value in state.values():
+            yield from state_tensors(value, seen)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from state_tensors(value, seen)
 
 
 def _root_of(mesh: Any) -> Any:

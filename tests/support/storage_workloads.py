@@ -134,7 +134,8 @@ def save_and_load_on_mesh(root: str, shape: tuple[int, ...], names: tuple[str, .
     """A save and a load of one DTensor on a device mesh of ``shape`` and dimension ``names``
     (on the sub-mesh of dimension ``sub`` when given, as a pipeline stage's tensors are), the
     program having set the telemetry fields ``preset`` first, and with ``before`` a save on a
-    mesh of those names before that. This rank's pid and its coordinate in the whole mesh, to
+    mesh of those names before that; the load starts from a fresh context, as a restarted
+    job's first load does. This rank's pid and its coordinate in the whole mesh, to
     match the events; the context is reset after."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -159,6 +160,10 @@ def save_and_load_on_mesh(root: str, shape: tuple[int, ...], names: tuple[str, .
             earlier = init_device_mesh("cpu", shape, mesh_dim_names=before)
             bcp.save(f"{root}-before", {"model": module(full, earlier)})
         bcp.save(root, {"model": module(full, on)})
+        # the load as a restarted job's first call: nothing stamped yet
+        reset_context()
+        identity._stamped.clear()
+        telemetry.set_context(**preset)
         back = module(torch.zeros_like(full), on)
         bcp.load(root, {"model": back})
         telemetry.flush()

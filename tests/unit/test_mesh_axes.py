@@ -42,3 +42,25 @@ def test_dp_indices_of_a_mesh_are_each_rank_s_own(dims, data):
         back.append(dp % s)
         dp //= s
     assert back[::-1] == coordinate
+
+
+def test_a_state_s_tensors_are_found_without_flattening_it():
+    """Modules, optimizers and nested containers give their tensors, each once, lazily; a
+    state that holds itself does not loop."""
+    import torch
+
+    from bytecheckpoint.runtime.identity import state_tensors
+
+    model = torch.nn.Linear(2, 3)
+    model.register_buffer("scale", torch.ones(1))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    loose = torch.zeros(4)
+    state: dict = {"model": model, "optim": optim, "extra": [{"t": loose}, (loose, 3, "x")]}
+    state["self"] = state
+    found = list(state_tensors(state))
+    assert [id(t) for t in found] == [id(model.weight), id(model.bias), id(model.scale),
+                                      id(model.weight), id(model.bias), id(loose)]
+    # lazy: a walk stopped at the first tensor never reaches the rest
+    walk = state_tensors({"a": model, "b": object()})
+    assert next(walk) is model.weight
+    assert list(state_tensors({"n": 1, "s": "text"})) == []
