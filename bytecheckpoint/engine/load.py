@@ -17,6 +17,7 @@ A final collective makes every rank raise if any rank failed.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -238,7 +239,11 @@ def _needed_range(saved: SavedBox, copies: list[Copy], item: int, verify: bool,
         hi = max(hi, end)
     start, stop = (lo or 0) * item, hi * item
     if verify:
-        start, stop = widen_to_chunks(start, stop, saved.bytes.byte_length, chunk_bytes)
+        # Whole checksum chunks that are also whole elements: with a chunk size that is not a
+        # multiple of the element size (100 bytes of float64) the range began inside an
+        # element, and the copies, which count whole elements from its start, took bytes
+        # shifted by the remainder, silently.
+        start, stop = widen_to_chunks(start, stop, saved.bytes.byte_length, math.lcm(chunk_bytes, item))
     return start, stop
 
 

@@ -97,6 +97,10 @@ def copy_out(read: BoxRead, non_blocking: bool = False) -> None:
         return  # an object, or read straight into the target (not when staged for NCCL)
     assert read.buffer is not None
     item = read.dtype.itemsize
+    if read.lo % item:  # the elements below would be counted from a shifted start
+        raise PlanningError(f"{read.key}: the load plan reads a box from byte {read.lo}, inside an "
+                            f"element of {item} bytes; nothing was copied from it (an internal "
+                            "error: please report it)")
     values = read.buffer.view(read.dtype) if read.buffer.numel() else torch.empty(0, dtype=read.dtype)
     # as_strided places its view from the start of the storage, not of ``values``: a box
     # buffer is often a slice of a window arena (CUDA targets), so its own offset is added.
