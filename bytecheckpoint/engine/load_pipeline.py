@@ -339,9 +339,9 @@ class _HostWindows:
     after window ``i``'s copies have completed (``LoadPipeline._finish`` waits for them), so
     no unit allocates or pins memory of its own."""
 
-    def __init__(self, half_bytes: int) -> None:
+    def __init__(self, half_bytes: int, device: torch.device | None) -> None:
         self.half = _aligned(half_bytes)
-        self.arena = pool(True, purpose="load").reserve(2 * self.half) if self.half else None
+        self.arena = pool(True, purpose="load").reserve(2 * self.half, device) if self.half else None
         self.used = [0, 0]
 
     def reset(self, half: int) -> None:
@@ -448,6 +448,14 @@ class LoadPipeline:
         read = self.mine[u.box]
         assert read.buffer is not None
         return read.buffer[u.start - read.lo : u.stop - read.lo]
+
+    def _pin_device(self) -> torch.device | None:
+        """A CUDA device of this load (the exchange's, else a target's): the window arena is
+        pinned there (``HostBufferPool.reserve``)."""
+        if self.device.type == "cuda":
+            return self.device
+        return next((c.target.data.device for read in self.mine.values() for c in read.copies
+                     if c.target.data.is_cuda), None)
 
     # -- reading -------------------------------------------------------------------------
     def _read(self, units: list[tuple[ReadUnit, torch.Tensor | None]]) -> Future | None:
@@ -565,7 +573,7 @@ class LoadPipeline:
             pending: list[tuple[int, ReadUnit, Future]] = []
             try:
                 need = max((self._host_need(g) for g in groups), default=0)
-                self._host = _HostWindows(need) if need else None
+                self._host = _HostWindows(need, self._pin_device()) if need else None
                 if self.device.type == "cuda":
                     self._h2d = torch.cuda.Stream(self.device)
                 pending = self._submit(pool, groups[0], 0) if groups and self._may_read() else []

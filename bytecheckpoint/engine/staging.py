@@ -70,6 +70,7 @@ class HostBufferPool:
         self.pinned = pinned
         self._arena: torch.Tensor | None = None
         self._registered = False
+        self._device: torch.device | None = None  # the device it was pinned on
         self.allocations = 0  # how many times memory was (re)allocated
         self.pin_failures: list[str] = []
 
@@ -81,12 +82,14 @@ class HostBufferPool:
     def is_pinned(self) -> bool:
         return self._registered
 
-    def reserve(self, nbytes: int) -> torch.Tensor:
+    def reserve(self, nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+        """The first ``nbytes`` of the arena; a pinned pool that allocates pins it on ``device``
+        (a CUDA device the copies' tensors live on)."""
         if self._arena is None or self._arena.numel() < nbytes:
             self._release()  # drop the old arena before allocating the larger one
             arena = _host_arena(max(nbytes, 1))
             if self.pinned:
-                self._registered = self._pin(arena)
+                self._registered = self._pin(arena, device)
             self._arena = arena
             self.allocations += 1
         return self._arena[:nbytes]
@@ -97,9 +100,15 @@ class HostBufferPool:
         if self.capacity > nbytes:
             self._release()
 
-    def _pin(self, arena: torch.Tensor) -> bool:
+    def _pin(self, arena: torch.Tensor, device: torch.device | None) -> bool:
+        # Registered on a device the tensors live on: on the thread's current device, a rank
+        # that keeps its tensors on cuda:r without ``set_device`` would create a CUDA context
+        # (hundreds of MiB) on GPU 0, one per rank of the host. The registration itself is
+        # usable from every device.
+        self._device = device
         try:
-            code = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
+            with on_device(device):
+                code = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
             reason = None if code == 0 else f"cudaHostRegister returned CUDA error {code}"
         except Exception as exc:  # no CUDA runtime here
             reason = f"{type(exc).__name__}: {exc}"
@@ -113,7 +122,8 @@ class HostBufferPool:
 
     def _release(self) -> None:
         if self._arena is not None and self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            with on_device(self._device):
+                torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
         self._arena, self._registered = None, False
 
 
@@ -250,7 +260,7 @@ class Stager:
         for s in self.sources:
             offsets.append(total)
             total += -(-s.numel() * s.element_size() // _ALIGN) * _ALIGN
-        arena = pool(self.cuda).reserve(total)
+        arena = pool(self.cuda).reserve(total, self.pin_device)
         self.peak_bytes = total  # what this save stages into (the pool may hold more)
         landed = threading.Condition()
         self.pieces = [
@@ -272,6 +282,7 @@ class Stager:
         self.versions = [_versions(w) for w in self._watched]  # the state at save() time
         self.cuda = any(s.is_cuda for s in self.sources)
         self.device = caller_device() if self.cuda else None
+        self.pin_device = next(iter(cuda_devices(self.sources)), None)  # where the arena is pinned
         # The caller's pending work on each source device, marked here, on its own thread, at
         # save(): the copy waits for exactly that. Waiting on the stream itself from the thread
         # that copies (an overlapped save's, later) would also wait for every kernel training

@@ -215,7 +215,7 @@ class CappedStager(Stager):
         self.ring = _Ring(capacity, self._cancelled)
         # a group holds at most a quarter of the ring, so writers start early
         self.group_bytes = max(_ALIGN, min(EVENT_BYTES, capacity // 4))
-        self._arena = pool(self.cuda).reserve(capacity)
+        self._arena = pool(self.cuda).reserve(capacity, self.pin_device)
         self.pieces = []
         self.sources_for_writer = [RingPiece(self, i) for i in range(len(self.sources))]
 

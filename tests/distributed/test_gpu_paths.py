@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 import queue
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -77,6 +79,18 @@ def test_save_waits_for_the_callers_stream(tmp_path, side_stream, async_save):
 def test_two_ranks_on_two_gpus(world, tmp_path, async_save):
     results = world(2).run(g.cuda_rank_roundtrip, str(tmp_path / "c"), async_save)
     assert results == [True, True]
+
+
+@needs_gpus(2, "pinned staging of tensors on cuda:1, in a process that never called set_device")
+def test_pinning_makes_no_context_on_gpu_0(tmp_path):
+    """Saves and a load of tensors on cuda:1 pin their host arenas (blocking and overlapped
+    staging, the load's windows) on cuda:1: a context on GPU 0 would cost every such rank of
+    the host hundreds of MiB there. In a fresh process, so nothing before touched GPU 0."""
+    out = subprocess.run([sys.executable, "-c", g.PIN_DEVICE_SCRIPT, str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1] == "exact=True pinned=True context-on-0=False", out.stdout
 
 
 @needs_gpus(1, "the pinned staging arena: exact size, outside the caching host allocator")

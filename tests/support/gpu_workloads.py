@@ -354,6 +354,32 @@ def cuda_rank_roundtrip(root: str, async_save: bool) -> bool:
     return all(torch.equal(into[k].cpu(), expected[k]) for k in expected)
 
 
+# Run as ``python -c PIN_DEVICE_SCRIPT ROOT`` (a fresh process: nothing has touched GPU 0):
+# saves (blocking and overlapped staging) and a load of tensors on cuda:1 without set_device,
+# then whether they were exact, the arena pinned, and GPU 0 given a context.
+PIN_DEVICE_SCRIPT = """
+import sys, torch
+import bytecheckpoint as bcp
+from bytecheckpoint.engine import staging
+root = sys.argv[1]
+dev = torch.device("cuda", 1)
+torch.manual_seed(0)
+state = {f"w{i}": torch.randn(1 << 18, device=dev) for i in range(4)}
+want = {k: v.cpu() for k, v in state.items()}
+from bytecheckpoint.state.tensor_shard import TensorShard
+whole = {"model": {k: TensorShard(v, (1 << 18,)) for k, v in state.items()}}
+bcp.save(root, whole, overwrite=True)
+bcp.save(root, whole, async_save=True, overwrite=True).wait()
+bcp.save(root, whole, async_save=True, snapshot="overlapped", overwrite=True).wait()
+# half of each tensor: the boxes land in the load's pinned windows, then go to cuda:1
+into = {k: torch.zeros(1 << 17, device=dev) for k in state}
+bcp.load(root, {"model": {k: TensorShard(v, (1 << 18,), (1 << 17,)) for k, v in into.items()}})
+exact = all(torch.equal(into[k].cpu(), want[k][1 << 17:]) for k in state)
+pinned = staging.pool(True).is_pinned
+print(f"exact={exact} pinned={pinned} context-on-0={torch._C._cuda_hasPrimaryContext(0)}")
+"""
+
+
 # -- overlapped snapshots on one GPU (issue 21) ----------------------------------------------
 
 
