@@ -163,3 +163,33 @@ def test_shm_is_shared_memory_and_refuses_paths_outside_its_root(tmp_path, monke
 def test_unknown_scheme_names_the_known_ones():
     with pytest.raises(StorageError, match=r"no storage backend for ftp://.*s3://"):
         open_storage("ftp://x/y")
+
+
+_NO_SPAWN = """
+import subprocess, sys, torch
+started = []
+def refuse(self, *args, **kwargs):  # recorded: a failed lookup may be swallowed as "not here"
+    started.append(args[:1])
+    raise OSError("no process may be started here")
+subprocess.Popen.__init__ = refuse
+import bytecheckpoint as bcp
+root = sys.argv[1]
+w = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: large writes, direct-write checks
+bcp.save(root, {"model": {"w": w}}, overwrite=True)
+into = torch.zeros_like(w)
+bcp.load(root, {"model": {"w": into}})
+assert torch.equal(into, w)
+assert not started, f"processes started: {started}"
+print("ok")
+"""
+
+
+def test_a_save_and_a_load_start_no_process(tmp_path):
+    """A training process may not be allowed to fork (and a fork of one holding GBs is slow):
+    the C library's functions are looked up in the process itself, not through ldconfig."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NO_SPAWN, str(tmp_path / "c")], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "BCP_STORAGE_DIRECT_WRITES": "1"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
