@@ -180,21 +180,48 @@ def _flatten_module(key: str, module: nn.Module, flat: FlatState, fqn_map: FqnMa
     adapter = module_adapter(module)
     flat.adapters.add(adapter.name)
     raw_names: dict[str, str] = {}
+    live = _live_storages(module) if for_load else set()
+    copies: dict[str, torch.Tensor] = {}  # tensors of state_dict() that are not the module's own
     # A load copies into the values in place, which a parameter that requires grad refuses.
     for fqn, (name, value) in adapter.entries(module, fqn_map, keep_vars=not for_load).items():
         raw_names[fqn] = name
         if isinstance(value, torch.Tensor | TensorShard | ShardSet):
             flat.tensors[f"{key}/{fqn}"] = value
+            if for_load and isinstance(value, torch.Tensor) and _storage_of(value) not in live:
+                copies[name] = value
         else:
             flat.shared_objects[f"{key}/{fqn}"] = value
 
     def apply(shared: dict[str, Any], _rank: dict[str, Any]) -> None:
         extra = {raw_names[k[len(key) + 1 :]]: v for k, v in shared.items()
                  if k.startswith(f"{key}/") and k[len(key) + 1 :] in raw_names}
-        if extra:  # non-tensor entries (e.g. _extra_state) go back through the module
+        # Non-tensor entries (e.g. _extra_state), and tensors that state_dict() returned as
+        # copies rather than the module's own (a tensor get_extra_state, as TransformerEngine's
+        # fp8 scales; a state_dict hook that renames, splits or casts), go back through the
+        # module's load_state_dict, its hooks and set_extra_state: filling a copy in place
+        # left the module as it was, silently.
+        extra.update(copies)
+        if extra:
             unwrap(module).load_state_dict(extra, strict=False)
 
     flat.appliers.append(apply)
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    """The address of the storage ``t`` (a DTensor: its local shard) is a view of."""
+    local = getattr(t, "_local_tensor", t)
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, fake)
+        return 0
+
+
+def _live_storages(module: nn.Module) -> set[int]:
+    """Storages of the module's parameters and buffers: what a load may fill in place."""
+    out = {_storage_of(t) for t in unwrap(module).parameters()}
+    out.update(_storage_of(t) for t in unwrap(module).buffers())
+    out.add(0)  # no storage to tell: treated as the module's own, as before
+    return out
 
 
 def _same_encoding(a: Any, b: Any) -> bool:
