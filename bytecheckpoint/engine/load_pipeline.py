@@ -35,6 +35,7 @@ from telemetry import span
 from ..errors import CorruptCheckpointError, PlanningError, RankFailedError
 from ..format.boxes import Box, element_span, row_major_strides
 from ..format.checksums import bad_chunks
+from ..format.dtypes import byte_view
 from ..format.file_headers import DIRECT_PADDING
 from ..planners import LocalShard
 from ..runtime import devices
@@ -88,7 +89,7 @@ def direct_target(read: BoxRead) -> torch.Tensor | None:
     exact = (first * item, end * item) == (read.lo, read.hi) and (end - first) == c.region.numel
     if not exact or dst.device.type != "cpu" or not dst.is_contiguous() or dst.dtype != read.dtype:
         return None
-    return dst.reshape(-1).view(torch.uint8)
+    return byte_view(dst)
 
 
 def copy_out(read: BoxRead, non_blocking: bool = False) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError, StagingError
+from ..format.dtypes import byte_view
 from ..storage import Storage
 from .staging import Stager
 
@@ -137,7 +138,7 @@ class LivePiece:
         if src.numel():
             # A non-contiguous view is copied here, on the writer thread: that copy is then
             # this piece's snapshot, taken before the piece counts as written.
-            data = memoryview(src.contiguous().reshape(-1).view(torch.uint8).numpy())
+            data = memoryview(byte_view(src.contiguous()).numpy())
             for start in range(0, len(data), block):
                 yield data[start : start + block]
         stager._check_unchanged(i)  # a write while the piece went out

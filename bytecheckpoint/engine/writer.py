@@ -17,7 +17,7 @@ from telemetry import span
 
 from ..commit.protocol import data_file_name
 from ..format.boxes import Box
-from ..format.dtypes import safetensors_code
+from ..format.dtypes import byte_view, safetensors_code
 from ..format.metadata import ByteMeta, FileMeta, ObjectMeta
 from ..planning.global_plan import WriteItem
 from ..planning.save_metadata import RankWrite, box_columns
@@ -32,10 +32,10 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    t = t.contiguous().reshape(-1)
+    t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
+    return memoryview(byte_view(t).numpy())
 
 
 class TensorSource:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
-from .dtypes import dtype_from_name, dtype_name
+from .dtypes import byte_view, dtype_from_name, dtype_name
 
 _EXT_TUPLE = 1
 _EXT_TENSOR = 2
@@ -34,7 +34,7 @@ def _default(obj: Any) -> msgpack.ExtType:
                 "put sharded tensors in a module or optimizer, or call .full_tensor() first"
             )
         t = obj.detach().to("cpu").contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        raw = byte_view(t).numpy().tobytes() if t.numel() else b""
         return msgpack.ExtType(_EXT_TENSOR, _pack([dtype_name(t.dtype), list(t.shape), raw]))
     if isinstance(obj, np.ndarray):
         a = np.ascontiguousarray(obj)

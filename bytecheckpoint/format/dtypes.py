@@ -53,3 +53,14 @@ def safetensors_code(name: str) -> str:
 
 def itemsize(name: str) -> int:
     return dtype_from_name(name).itemsize
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (contiguous, on the CPU) as a flat ``uint8`` view. A tensor of one
+    element counts as contiguous whatever its stride (``x[::2]`` of two elements, a column of
+    one row), and ``view(torch.uint8)`` refused it with a raw error: that one element is
+    viewed through a stride of 1 instead."""
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)

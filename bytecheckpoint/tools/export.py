@@ -42,7 +42,7 @@ import xxhash
 
 from ..commit.integrity import check_file_sizes, read_metadata, resolve
 from ..errors import CheckpointError, CheckpointExistsError, UnsupportedStateError
-from ..format.dtypes import dtype_from_name, dtype_name
+from ..format.dtypes import byte_view, dtype_from_name, dtype_name
 from ..format.metadata import CheckpointMetadata, TensorMeta
 from ..state.tensor_shard import TensorShard
 
@@ -215,7 +215,7 @@ def _load_full(url: str, keys: Sequence[tuple[str, TensorMeta]]) -> dict[str, to
 
 
 def _digest(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
-    flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat = byte_view(t.contiguous()).numpy()
     return (xxhash.xxh3_128_hexdigest(flat), tuple(t.shape), dtype_name(t.dtype))
 
 
