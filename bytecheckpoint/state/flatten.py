@@ -302,19 +302,47 @@ def _saved_group(key: str, fqns: list[str], shared: dict[str, Any]) -> dict[str,
     return first
 
 
-def _leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """``(path, leaf)`` of a nested state; a path holds the containers' own keys and indexes
+    (an int key stays an int, so a load puts the value back under it)."""
     if isinstance(value, Mapping):
         for k, v in value.items():
-            yield from _leaves(v, (*path, str(k)))
+            yield from _leaves(v, (*path, k))
     elif isinstance(value, list | tuple) and value and all(_is_shard(v) for v in value):
         for v in value:  # several pieces of one tensor under one key
             yield path, v
     elif isinstance(value, list | tuple) and any(isinstance(v, Mapping | list | tuple) or _is_shard(v)
                                                 for v in value):
         for i, v in enumerate(value):
-            yield from _leaves(v, (*path, str(i)))
+            yield from _leaves(v, (*path, i))
     else:
         yield path, value
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+class _Names:
+    """Checkpoint keys given to the leaves of one state entry: two different paths that would
+    get the same key (``"a.b"`` beside ``{"a": {"b": ...}}``, ``1`` beside ``"1"``) are refused,
+    where one of them was dropped from the save, or left unloaded, silently."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self._paths: dict[str, tuple[Any, ...]] = {}
+
+    def claim(self, entry: str, path: tuple[Any, ...]) -> str:
+        other = self._paths.setdefault(entry, path)
+        if other != path:
+            raise UnsupportedStateError(
+                f"state[{self.key!r}]: {_show(other)} and {_show(path)} would both be stored as "
+                f"{entry!r}; rename one of them (keys are joined with '.', and compared as text)")
+        return entry
+
+
+def _show(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{p!r}]" for p in path)
 
 
 def _is_shard(value: Any) -> bool:
@@ -332,7 +360,8 @@ def _flatten_sharded_dict(key: str, value: MutableMapping[str, Any], flat: FlatS
     replicated tensors; other leaves are saved once."""
     flat.kinds[key] = KIND_OPTIM if "optim" in key else KIND_MODEL
     flat.adapters.add("manual")
-    plain: dict[str, tuple[str, ...]] = {}
+    plain: dict[str, tuple[Any, ...]] = {}
+    names = _Names(key)
     for path, leaf in _leaves(value):
         if is_megatron_unsupported(leaf):
             raise UnsupportedStateError(
@@ -341,22 +370,24 @@ def _flatten_sharded_dict(key: str, value: MutableMapping[str, Any], flat: FlatS
                 "per-rank objects in a separate state entry"
             )
         shard = shard_of(leaf)
-        name = ".".join(path)
+        name = _dotted(path)
         if shard is not None:
-            entry = f"{key}/{leaf.key if is_megatron_sharded_tensor(leaf) else name}"
+            # a megatron shard names its own key (pieces of one tensor share it); a path does not
+            entry = (f"{key}/{leaf.key}" if is_megatron_sharded_tensor(leaf)
+                     else names.claim(f"{key}/{name}", path))
             held = flat.tensors.get(entry)
             if held is not None and not isinstance(held, TensorShard | ShardSet):
                 raise UnsupportedStateError(f"{entry} is both a plain tensor and a shard")
             flat.tensors[entry] = add_shard(held, shard)
         elif isinstance(leaf, torch.Tensor):
-            flat.tensors[f"{key}/{name}"] = leaf
+            flat.tensors[names.claim(f"{key}/{name}", path)] = leaf
         else:
-            flat.shared_objects[f"{key}/{name}"] = leaf
+            flat.shared_objects[names.claim(f"{key}/{name}", path)] = leaf
             plain[f"{key}/{name}"] = path
     flat.appliers.append(_put_back(value, plain))
 
 
-def _put_back(value: Any, plain: dict[str, tuple[str, ...]]
+def _put_back(value: Any, plain: dict[str, tuple[Any, ...]]
               ) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     """The applier that stores each loaded shared object at its path in ``value``."""
 
@@ -365,10 +396,10 @@ def _put_back(value: Any, plain: dict[str, tuple[str, ...]]
             if entry in shared:
                 node: Any = value
                 for part in path[:-1]:
-                    node = node[int(part)] if isinstance(node, list) else node[part]
+                    node = node[part]
                 last = path[-1]
                 if isinstance(node, list):
-                    node[int(last)] = shared[entry]
+                    node[last] = shared[entry]
                 elif isinstance(node, MutableMapping):
                     node[last] = shared[entry]
 
@@ -381,9 +412,10 @@ def _flatten_tensor_dict(key: str, value: MutableMapping[str, Any], flat: FlatSt
     Its tensors are load targets, filled in place and resharded like a module's (plain
     tensors are whole tensors, DTensors their shards); its other leaves get the saved values."""
     flat.kinds[key] = KIND_OPTIM if "optim" in key else KIND_MODEL
-    plain: dict[str, tuple[str, ...]] = {}
+    plain: dict[str, tuple[Any, ...]] = {}
+    names = _Names(key)
     for path, leaf in _leaves(value):
-        name = f"{key}/{clean_fqn('.'.join(path))}"
+        name = names.claim(f"{key}/{clean_fqn(_dotted(path))}", path)
         if isinstance(leaf, torch.Tensor):
             flat.tensors[name] = leaf
         else:
