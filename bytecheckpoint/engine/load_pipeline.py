@@ -87,7 +87,8 @@ def direct_target(read: BoxRead) -> torch.Tensor | None:
     first, end = element_span(c.region.relative_to(read.box), read.box.lengths)
     item = read.dtype.itemsize
     exact = (first * item, end * item) == (read.lo, read.hi) and (end - first) == c.region.numel
-    if not exact or dst.device.type != "cpu" or not dst.is_contiguous() or dst.dtype != read.dtype:
+    if (not exact or dst.device.type != "cpu" or not dst.is_contiguous() or dst.dtype != read.dtype
+            or dst.is_conj() or dst.is_neg()):  # a lazy conj/neg view's bytes are not its values
         return None
     return byte_view(dst)
 

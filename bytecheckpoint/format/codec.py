@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
-from .dtypes import byte_view, dtype_from_name, dtype_name
+from .dtypes import byte_view, check_storable, dtype_from_name, dtype_name
 
 _EXT_TUPLE = 1
 _EXT_TENSOR = 2
@@ -33,14 +33,20 @@ def _default(obj: Any) -> msgpack.ExtType:
                 f"cannot store a {type(obj).__name__} inside non-tensor state; "
                 "put sharded tensors in a module or optimizer, or call .full_tensor() first"
             )
+        check_storable(obj)
         t = obj.detach().to("cpu").contiguous()
         raw = byte_view(t).numpy().tobytes() if t.numel() else b""
         return msgpack.ExtType(_EXT_TENSOR, _pack([dtype_name(t.dtype), list(t.shape), raw]))
     if isinstance(obj, np.ndarray):
+        # ascontiguousarray makes a 0-d array 1-d: the shape stored is the array's own
         a = np.ascontiguousarray(obj)
         if a.dtype.hasobject:
             raise UnsupportedStateError("numpy object arrays cannot be stored safely")
-        return msgpack.ExtType(_EXT_NDARRAY, _pack([a.dtype.str, list(a.shape), a.tobytes()]))
+        if a.dtype.kind == "V":  # structured or raw void: no load could decode it
+            raise UnsupportedStateError(
+                f"numpy arrays of structured or void dtype ({a.dtype}) cannot be stored: store "
+                "each field as its own array")
+        return msgpack.ExtType(_EXT_NDARRAY, _pack([a.dtype.str, list(obj.shape), a.tobytes()]))
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
@@ -126,7 +132,13 @@ def _unpack(data: bytes, depth: int = 0) -> Any:
 
 def encode(obj: Any) -> bytes:
     """Pack a tree of plain Python values, tensors and arrays into bytes."""
-    return _pack(obj)
+    try:
+        return _pack(obj)
+    except UnicodeEncodeError as exc:  # a str holding a lone surrogate has no UTF-8 form
+        raise UnsupportedStateError(
+            f"a string in the state cannot be stored as UTF-8 ({exc.reason} at position "
+            f"{exc.start} of {exc.object[max(0, exc.start - 20):exc.end + 20]!r}); store it as "
+            "bytes, or encode it with errors='surrogatepass' yourself") from None
 
 
 def decode(data: bytes) -> Any:

@@ -59,8 +59,23 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` (contiguous, on the CPU) as a flat ``uint8`` view. A tensor of one
     element counts as contiguous whatever its stride (``x[::2]`` of two elements, a column of
     one row), and ``view(torch.uint8)`` refused it with a raw error: that one element is
-    viewed through a stride of 1 instead."""
+    viewed through a stride of 1 instead. A lazily conjugated or negated view (``x.conj()``)
+    is resolved first (a copy): its bytes are not its values. Sparse and nested tensors have
+    no such bytes: a named error."""
+    check_storable(t)
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     flat = t.reshape(-1)
     if flat.numel() <= 1 and flat.stride(0) != 1:
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
+
+
+def check_storable(t: torch.Tensor) -> None:
+    """Refuse, by name, tensors whose values are not one strided block of elements."""
+    if t.is_nested or t.layout != torch.strided:
+        kind = "nested" if t.is_nested else f"{t.layout}".replace("torch.", "")
+        raise UnsupportedStateError(
+            f"a {kind} tensor ({t.dtype}, shape {tuple(t.shape) if not t.is_nested else '(nested)'}) "
+            "cannot be checkpointed: store a dense tensor (.to_dense()), or its parts as "
+            "separate tensors")

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import StateMismatchError, UnsupportedStateError
 from ..format import codec
+from ..format.dtypes import check_storable
 from .tensor_shard import (
     ShardSet,
     TensorShard,
@@ -618,4 +619,10 @@ def flatten_state(
             _flatten_stateful_tensors(key, value, flat)
         else:
             _flatten_object(key, value, state, flat)
+    for name, tensor in flat.tensors.items():
+        if isinstance(tensor, torch.Tensor):
+            try:
+                check_storable(tensor)
+            except UnsupportedStateError as exc:
+                raise UnsupportedStateError(f"{name}: {exc}") from None
     return flat
