@@ -239,11 +239,19 @@ def _flatten_optimizer(
     flat.kinds[key] = KIND_OPTIM
     views = module_adapter(module).param_views(module, fqn_map)
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    unsaved: set[int] = set()  # parameters given state only by init_optimizer_state, none saved
     if for_load and has_saved_state(f"{key}/state/"):
+        had = {id(k) for k in optimizer.state}
         init_optimizer_state(optimizer)
+        # A parameter that had no gradient yet when the checkpoint was saved (an unused branch,
+        # an expert that got no tokens, a layer unfrozen later) has no state in it. The zero
+        # step's state (step 1, zero moments) was then reported missing, or kept under
+        # strict=False, and training went on with a bias correction the run never had.
+        unsaved = {id(p) for p in params if id(p) not in had and not any(
+            has_saved_state(f"{key}/state/{fqn}/") for fqn, _ in views[id(p)])}
     # By id, not by the parameter: hashing a DTensor goes through its __torch_function__
     # (about 25 us each, every save); the state's keys are the parameters themselves.
-    state_of = {id(k): v for k, v in optimizer.state.items()}
+    state_of = {id(k): v for k, v in optimizer.state.items() if id(k) not in unsaved}
     for p in params:
         for name, value in state_of.get(id(p), {}).items():
             for fqn, view in views[id(p)]:
@@ -277,7 +285,7 @@ def _flatten_optimizer(
                 by_fqn.setdefault(fqn, {})[name] = v
         state: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(params):
-            entries = dict(optimizer.state.get(p, {}))
+            entries = {} if id(p) in unsaved else dict(optimizer.state.get(p, {}))
             for fqn, _ in views[id(p)]:
                 entries.update(by_fqn.get(fqn, {}))
             if entries:
