@@ -247,6 +247,37 @@ def _needed_range(saved: SavedBox, copies: list[Copy], item: int, verify: bool,
     return start, stop
 
 
+def _untied_into_tied(tensors: dict[str, Any], meta: CheckpointMetadata) -> dict[str, StateMismatchError]:
+    """Keys that are one tensor here (tied weights) but were saved with different bytes (an
+    untied model's checkpoint). Both would be read into the same memory: the checksum check
+    of one read saw the other's bytes and called an intact file corrupt, and without checks
+    one of the two values won, silently."""
+    by_memory: dict[tuple[Any, ...], list[str]] = {}
+    for key, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.numel() or meta.tensor(key) is None:
+            continue
+        local = getattr(t, "_local_tensor", t)
+        try:
+            ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+                     tuple(local.stride()), local.dtype)
+        except (RuntimeError, NotImplementedError):  # no storage to compare (meta, fake)
+            continue
+        if ident[0]:
+            by_memory.setdefault(ident, []).append(key)
+    problems: dict[str, StateMismatchError] = {}
+    for keys in (k for k in by_memory.values() if len(k) > 1):
+        saved = {k: sorted((b.box.offsets, b.box.lengths, b.bytes.byte_length, tuple(b.bytes.checksums))
+                           for b in meta.boxes_of(k)) for k in keys}
+        differ = [k for k in keys[1:] if saved[k] != saved[keys[0]]]
+        if differ:
+            error = StateMismatchError(
+                f"{keys[0]} and {differ[0]} are one tensor in this state (tied weights) but the "
+                "checkpoint holds different values for them (saved untied); load into a model "
+                "built without tying them, or leave one out of the state and load with strict=False")
+            problems.update((k, error) for k in keys)
+    return problems
+
+
 def _open_checkpoint(url: str) -> tuple[Storage, str, CheckpointMetadata, bytes]:
     """Resolve ``url`` and read its metadata; an overwrite swapping the checkpoint in between
     the two hides the metadata for a moment, so a vanished file is looked up again."""
@@ -291,9 +322,11 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
     wanted_targets: list[tuple[str, Any]] = []  # every target piece, for the coverage check
     source = storage.url(path)
     with span("load.plan"):
+        tied = _untied_into_tied(flat.tensors, meta)
+        problems.extend({id(e): e for e in tied.values()}.values())  # one per tied group
         for key, tensor in flat.tensors.items():
             tm = meta.tensor(key)
-            if tm is None:
+            if tm is None or key in tied:  # a key refused is never read into
                 continue
             try:
                 _check_tensor(key, tensor, tm.shape, tm.dtype, planner.global_shape(tensor))
