@@ -407,10 +407,15 @@ def _put_back(value: Any, plain: dict[str, tuple[Any, ...]]
                 for part in path[:-1]:
                     node = node[part]
                 last = path[-1]
-                if isinstance(node, list):
-                    node[last] = shared[entry]
-                elif isinstance(node, MutableMapping):
-                    node[last] = shared[entry]
+                # Landed in what the caller holds, as a plain object's value is (``into``): a
+                # tensor in a list was replaced, and the caller's own tensor kept its values.
+                landed = into(node[last], shared[entry])
+                if isinstance(node, list | MutableMapping):
+                    node[last] = landed
+                elif landed is not node[last]:  # a tuple: only what it holds can change
+                    raise UnsupportedStateError(
+                        f"{entry}: the loaded value cannot be put back into the tuple at "
+                        f"{_show(path[:-1])}; hold that part of the state in a list")
 
     return apply
 

@@ -46,3 +46,22 @@ def test_a_load_template_with_two_leaves_for_one_key_is_refused(tmp_path):
     template = {"weight": torch.zeros(2, 2), "bias": torch.zeros(2), "x": {"y": 1}, "x.y": 2}
     with pytest.raises(UnsupportedStateError, match="would both be stored as"):
         bcp.load(str(tmp_path / "c"), {"model": template}, strict=False)
+
+
+def test_plain_values_of_a_sharded_dict_land_in_what_the_caller_holds(tmp_path):
+    """Tensors in a list are filled in place (a model's buffers held there keep being the
+    buffers), dicts inside a tuple are updated in place."""
+    bcp.save(str(tmp_path / "c"), {"m": {"w": shard(torch.arange(6.0)),
+                                         "bufs": [torch.full((2,), 3.0), torch.full((2,), 4.0)],
+                                         "groups": ({"lr": 0.5},)}})
+    b0, b1, group = torch.zeros(2), torch.zeros(2), {"lr": 0.0}
+    state = {"m": {"w": shard(torch.zeros(6)), "bufs": [b0, b1], "groups": (group,)}}
+    bcp.load(str(tmp_path / "c"), state)
+    assert state["m"]["bufs"][0] is b0 and b0.tolist() == [3.0, 3.0] and b1.tolist() == [4.0, 4.0]
+    assert state["m"]["groups"][0] is group and group == {"lr": 0.5}
+
+
+def test_a_value_that_cannot_go_back_into_a_tuple_is_a_named_error(tmp_path):
+    bcp.save(str(tmp_path / "c"), {"m": {"w": shard(torch.arange(6.0)), "t": ("saved", {"x": 1})}})
+    with pytest.raises(UnsupportedStateError, match="tuple"):
+        bcp.load(str(tmp_path / "c"), {"m": {"w": shard(torch.zeros(6)), "t": ("stale", {"x": 0})}})
