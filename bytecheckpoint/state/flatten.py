@@ -107,7 +107,12 @@ class ModuleAdapter:
         reads them; detaching each DTensor costs ~10 us through its dispatcher, every save)."""
         out: dict[str, tuple[str, Any]] = {}
         for name, value in unwrap(module).state_dict(keep_vars=keep_vars).items():
-            out[fqn_map(clean_fqn(name))] = (name, value)
+            fqn = fqn_map(clean_fqn(name))
+            if fqn in out:  # one entry would be dropped from the save, or never loaded
+                raise UnsupportedStateError(
+                    f"{out[fqn][0]!r} and {name!r} of the module both map to {fqn!r} (fqn_map, or "
+                    "a wrapper's prefix removed); give each its own name")
+            out[fqn] = (name, value)
         return out
 
     def param_views(self, module: nn.Module, fqn_map: FqnMap) -> dict[int, list[tuple[str, StateView]]]:

@@ -65,3 +65,11 @@ def test_a_value_that_cannot_go_back_into_a_tuple_is_a_named_error(tmp_path):
     bcp.save(str(tmp_path / "c"), {"m": {"w": shard(torch.arange(6.0)), "t": ("saved", {"x": 1})}})
     with pytest.raises(UnsupportedStateError, match="tuple"):
         bcp.load(str(tmp_path / "c"), {"m": {"w": shard(torch.zeros(6)), "t": ("stale", {"x": 0})}})
+
+
+def test_a_module_whose_names_collide_after_mapping_is_refused(tmp_path):
+    """A non-injective fqn_map (a wrong pipeline offset) dropped one layer from the save."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(UnsupportedStateError, match="both map to"):
+        bcp.save(str(tmp_path / "c"), {"model": model}, fqn_map=lambda n: n.replace("1.", "0."))
+    assert not (tmp_path / "c").exists()
