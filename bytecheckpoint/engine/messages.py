@@ -76,6 +76,7 @@ class PlanRequest:
 
     local: LocalSavePlan
     async_save: bool
+    call: tuple[tuple[str, Any], ...] = ()  # the save() arguments every rank must agree on
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Written:
     write: RankWrite
     shared: dict[str, tuple[int, int]]  # shared object key -> (size, xxh3-64), for the cross-check
     async_save: bool
+    call: tuple[tuple[str, Any], ...] = ()  # as in PlanRequest
 
 
 # -- coordinator -> rank -------------------------------------------------------------------

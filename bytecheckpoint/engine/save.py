@@ -297,6 +297,7 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
                 abandon(job.storage, w.staging, job.path, w.save_id)
             return [failed] * world
         requests: list[PlanRequest | Written] = [o.value for o in gathered]
+        _check_same_call(requests)
         if all(isinstance(r, PlanRequest) for r in requests):
             return _plan_globally(job, [r.local for r in requests])
         entry = plan_cache.get(job.comm.global_ranks)
@@ -353,7 +354,28 @@ def _first_round(job: _Job, mine: Outcome, local_error: BaseException | None) ->
 
 
 def _plan_outcome(job: _Job) -> Outcome:
-    return Outcome(value=PlanRequest(_local_plan(job), job.opts.async_save))
+    return Outcome(value=PlanRequest(_local_plan(job), job.opts.async_save, _call_of(job)))
+
+
+def _call_of(job: _Job) -> tuple[tuple[str, Any], ...]:
+    """The arguments of this rank's ``save()`` that every rank must pass alike."""
+    o = job.opts
+    return (("path", job.storage.url(job.path)), ("step", o.step), ("overwrite", o.overwrite),
+            ("chunk_bytes", o.chunk_bytes), ("async_save", o.async_save), ("snapshot", o.snapshot),
+            ("files_per", o.files_per), ("host_size", o.host_size), ("framework", o.framework))
+
+
+def _check_same_call(requests: list[Any]) -> None:
+    """Ranks that called one save with different arguments (a per-rank timestamp in the path,
+    say) each got success while only the coordinator's path was committed, under its step."""
+    calls = [getattr(r, "call", ()) for r in requests]
+    for rank, call in enumerate(calls):
+        if call != calls[0]:
+            name, mine = next((a, b) for a, b in zip(calls[0], call) if a != b)
+            raise InvalidArgumentError(
+                f"the ranks called save() with different arguments: {name[0]} {name[1]!r} on rank 0, "
+                f"{mine[1]!r} on rank {rank}; every rank of the group must pass the same {name[0]} "
+                "(nothing was committed)")
 
 
 def _plan(job: _Job, local_error: BaseException | None) -> Assignment:
@@ -596,7 +618,7 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
                 t = time.perf_counter()
                 mine = Outcome.failure(error) if error is not None else Outcome(value=Written(
                     assignment.plan_id, assignment.save_id, assignment.staging, written,
-                    job.local.shared if job.local else {}, job.opts.async_save))
+                    job.local.shared if job.local else {}, job.opts.async_save, _call_of(job)))
                 with span("save.commit", cached=True):
                     decision = _first_round(job, mine, error)
                 job.phases["commit"] = time.perf_counter() - t

@@ -178,3 +178,30 @@ def async_failure(root: str) -> dict[str, Any]:
     result = bcp.save(f"{root}/after", _state(model, optim, 2), framework="fsdp2")
     out["after"] = result.total_bytes
     return out
+
+
+def save_with_arguments_per_rank(root: str) -> dict[str, Any]:
+    """Saves where the ranks pass different arguments (a per-rank path, a per-rank step, and
+    after a first save, so under a cached plan, a per-rank step), each followed by a save
+    with the same arguments on every rank, which must commit and load."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)  # a replicated model: the same values on every rank
+    model = nn.Linear(4, 3)
+    state = {"model": model, "extra": {"rank": rank}}
+    outcomes: dict[str, Any] = {}
+
+    def attempt(name: str, path: str, step: int) -> None:
+        try:
+            bcp.save(path, state, step=step, overwrite=True)
+            outcomes[name] = "committed"
+        except bcp.InvalidArgumentError as exc:
+            outcomes[name] = f"refused: {exc}"
+
+    attempt("per-rank path", f"{root}/ckpt_r{rank}", 1)
+    attempt("same, fresh plan", f"{root}/ckpt", 1)
+    attempt("per-rank step, cached plan", f"{root}/ckpt", 10 + rank)
+    attempt("same, cached plan", f"{root}/ckpt", 2)
+    into = nn.Linear(4, 3)
+    bcp.load(f"{root}/ckpt", {"model": into, "extra": {"rank": -1}})
+    outcomes["exact"] = torch.equal(into.weight, model.weight) and torch.equal(into.bias, model.bias)
+    return outcomes

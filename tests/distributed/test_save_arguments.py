@@ -1,0 +1,24 @@
+"""Every rank of a save passes the same arguments, or no rank's save succeeds.
+
+Ranks that passed different paths (a per-rank timestamp in the name) or steps each got a
+``SaveResult``, while only the coordinator's path was committed, under its step: rank 1's
+checkpoint did not exist."""
+
+from __future__ import annotations
+
+import os
+
+from tests.support import save_workloads as sw
+
+
+def test_a_save_whose_ranks_disagree_on_its_arguments_commits_nothing(world, tmp_path):
+    root = str(tmp_path)
+    results = world(2).run(sw.save_with_arguments_per_rank, root)
+    for rank, r in enumerate(results):
+        refused = "refused: the ranks called save() with different arguments:"
+        assert r["per-rank path"].startswith(f"{refused} path"), r
+        assert r["per-rank step, cached plan"].startswith(f"{refused} step"), r
+        assert r["same, fresh plan"] == r["same, cached plan"] == "committed", (rank, r)
+        assert r["exact"] is True
+    assert not os.path.exists(f"{root}/ckpt_r0") and not os.path.exists(f"{root}/ckpt_r1")
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["ckpt", "latest"]
