@@ -55,7 +55,7 @@ from ..runtime.gc_pause import gc_paused
 from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
 from ..storage import Storage
-from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects
+from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects, rank_objects_missing
 from .load_pipeline import BoxRead, Copy, LoadPipeline, Prefetch, direct_target
 from .read_plan import Need, plan_reads, preferred_readers
 from .transport import choose as choose_transport
@@ -426,7 +426,13 @@ def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Commu
     wanted_anywhere = set().union(*(v["wanted"] for v in everyone))
     groups = set().union(*(v["groups"] for v in everyone))
     prefixes = [p for v in everyone for p in v["prefixes"]]
-    missing = sorted(_wanted(flat) - saved)
+    def source(rank: int) -> int:  # the saved rank a rank's per-rank objects come from
+        return rank if meta.world_size == comm.world_size else 0
+
+    def missing_on(rank: int, wanted: set[str]) -> set[str]:
+        return (wanted - saved) | rank_objects_missing(meta, wanted, source(rank))
+
+    missing = sorted(missing_on(comm.rank, _wanted(flat)))
     unexpected = sorted(k for k in saved - wanted_anywhere
                         if k.split("/", 1)[0] in groups and not _accepted(prefixes, k))
     if not strict:
@@ -442,7 +448,8 @@ def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Commu
             f"{url}: state and checkpoint keys differ; " + "; ".join(parts)
             + ". Pass strict=False to load the keys they share", missing, unexpected,
         )
-    others = {r: sorted(v["wanted"] - saved) for r, v in enumerate(everyone) if v["wanted"] - saved}
+    others = {r: sorted(missing_on(r, v["wanted"])) for r, v in enumerate(everyone)
+              if missing_on(r, v["wanted"])}
     if others:
         raise RankFailedError(
             f"checkpoint load failed: keys missing from {url} on rank(s) {sorted(others)}: "

@@ -205,3 +205,25 @@ def save_with_arguments_per_rank(root: str) -> dict[str, Any]:
     bcp.load(f"{root}/ckpt", {"model": into, "extra": {"rank": -1}})
     outcomes["exact"] = torch.equal(into.weight, model.weight) and torch.equal(into.bias, model.bias)
     return outcomes
+
+
+def extra_on_rank_0_only(root: str) -> dict[str, Any]:
+    """A save where only rank 0 holds ``extra``, then loads on the same ranks, each passing
+    ``extra``: strict (a named error on every rank) and not (rank 0 gets its value, rank 1
+    keeps its own and is told it is missing)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    state: dict[str, Any] = {"model": nn.Linear(4, 3)}
+    if rank == 0:
+        state["extra"] = {"a": 1}
+    bcp.save(root, state)
+    out: dict[str, Any] = {}
+    extra = {"a": -1}
+    try:
+        bcp.load(root, {"model": nn.Linear(4, 3), "extra": extra})
+        out["strict"] = "loaded"
+    except bcp.CheckpointError as exc:
+        out["strict"] = type(exc).__name__
+    result = bcp.load(root, {"model": nn.Linear(4, 3), "extra": extra}, strict=False)
+    out["value"], out["missing"] = dict(extra), result.missing_keys
+    return out

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import bytecheckpoint as bcp
 from bytecheckpoint.commit.integrity import verify
-from bytecheckpoint.errors import CorruptCheckpointError
+from bytecheckpoint.errors import CorruptCheckpointError, MissingKeysError
 from bytecheckpoint.format.metadata import FORMAT_VERSION
 from tests.support.make_format_fixture import build
 from tests.unit.test_hostile_metadata import (
@@ -83,18 +83,23 @@ def test_a_flipped_object_rank_is_an_error_not_skipped_state(ckpt):
                         "grid": grid_state(GRID.clone())["grid"]}, framework="manual")
 
 
-def test_per_rank_state_missing_for_the_rank_it_is_taken_from_is_an_error(ckpt):
-    """A world of 2 whose only per-rank extra state is rank 1's: a load into 1 rank takes it
-    from rank 0, which has none. Before, the extra state was left as it was, silently."""
+def test_per_rank_state_missing_for_the_rank_it_is_taken_from_is_a_missing_key(ckpt):
+    """A world of 2 whose only per-rank extra state is rank 1's (only rank 1 saved it): a
+    load into 1 rank takes it from rank 0, which has none. Before any check the extra state
+    was left as it was, silently; then it was called a damaged checkpoint, though a save
+    writes it so. It is a missing key: strict loads refuse it, others report it."""
     doc = read_doc(ckpt)
     doc["world_size"] = 2
     obj(doc, "extra_state")[1] = 1
     write_doc(ckpt, doc)
     model, optim, _ = build()
     extra = {"step": -1}
-    with pytest.raises(CorruptCheckpointError, match="'extra_state' is stored for rank\\(s\\) \\[1\\]"):
-        bcp.load(ckpt, {"model": model, "optimizer": optim, "extra_state": extra,
-                        "grid": grid_state(GRID.clone())["grid"]}, framework="manual")
+    state = {"model": model, "optimizer": optim, "extra_state": extra,
+             "grid": grid_state(GRID.clone())["grid"]}
+    with pytest.raises(MissingKeysError, match="missing from the checkpoint: extra_state"):
+        bcp.load(ckpt, state, framework="manual")
+    result = bcp.load(ckpt, state, framework="manual", strict=False)
+    assert result.missing_keys == ["extra_state"] and extra == {"step": -1}
 
 
 def test_a_good_checkpoint_still_fills_every_element(ckpt):
