@@ -56,28 +56,6 @@ def check_coverage(targets: Iterable[tuple[str, LocalShard]], reads: Iterable[Bo
             )
 
 
-def check_rank_objects(meta: CheckpointMetadata, wanted: Iterable[str], source_rank: int,
-                       source: str) -> None:
-    """A per-rank object this load wants and the checkpoint holds must exist for the rank it
-    is taken from; skipping it would leave that state silently as it was."""
-    for key in sorted(rank_objects_missing(meta, wanted, source_rank)):
-        have = {(o.key, o.rank) for o in meta.objects}
-        ranks = sorted(r for k, r in have if k == key and r is not None)
-        if not ranks:  # stored shared only: check_shared_objects' case, not a missing rank
-            raise CorruptCheckpointError(
-                f"{source}: per-rank state {key!r} is stored as shared state, not for rank "
-                f"{source_rank}, which this load takes it from; the checkpoint is damaged or hostile")
-
-
-def rank_objects_missing(meta: CheckpointMetadata, wanted: Iterable[str], source_rank: int) -> set[str]:
-    """Per-rank objects this load wants that the checkpoint holds for other ranks only (a
-    state entry that only some ranks saved): missing for this rank, as a key never saved is.
-    They were called a damaged checkpoint, though the library had written it so."""
-    have = {(o.key, o.rank) for o in meta.objects}
-    per_rank = {o.key for o in meta.objects if o.rank is not None}
-    return {key for key in wanted if key in per_rank and (key, source_rank) not in have}
-
-
 def check_shared_objects(meta: CheckpointMetadata, wanted: Iterable[str], source: str) -> None:
     """A shared object this load wants and the checkpoint holds must be stored shared: one that
     only carries a rank is never read (the state keeps its old value, e.g. a one-parameter

@@ -56,7 +56,7 @@ from ..runtime.gc_pause import gc_paused
 from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
 from ..storage import Storage
-from .coverage import add_read, check_coverage, check_rank_objects, check_shared_objects, rank_objects_missing
+from .coverage import add_read, check_coverage, check_shared_objects
 from .load_pipeline import BoxRead, Copy, LoadPipeline, Prefetch, direct_target
 from .read_plan import Need, plan_reads, preferred_readers
 from .transport import choose as choose_transport
@@ -366,7 +366,6 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 b = obj.bytes
                 add_read(reads, (file_index[b.file], b.byte_offset), BoxRead(
                     obj.key, b.file, b.byte_offset, b.byte_length, 0, b.byte_length, b.checksums), source)
-        check_rank_objects(meta, flat.rank_objects, source_rank, source)
         check_shared_objects(meta, flat.shared_objects, source)
         check_coverage(wanted_targets, reads.values(), source)
     needs = [Need(f, r.byte_offset, r.byte_length, r.lo, r.hi) for (f, _), r in reads.items()]
@@ -429,11 +428,15 @@ def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Commu
     wanted_anywhere = set().union(*(v["wanted"] for v in everyone))
     groups = set().union(*(v["groups"] for v in everyone))
     prefixes = [p for v in everyone for p in v["prefixes"]]
-    def source(rank: int) -> int:  # the saved rank a rank's per-rank objects come from
-        return rank if meta.world_size == comm.world_size else 0
+    # Per-rank state that only some ranks saved is missing for a rank that takes it from one
+    # that did not (it was called a damaged checkpoint, though a save writes it so).
+    have = {(o.key, o.rank) for o in meta.objects}
+    per_rank = {o.key for o in meta.objects if o.rank is not None}
+    same_world = meta.world_size == comm.world_size
 
     def missing_on(rank: int, wanted: set[str]) -> set[str]:
-        return (wanted - saved) | rank_objects_missing(meta, wanted, source(rank))
+        source = rank if same_world else 0  # the saved rank its per-rank objects come from
+        return (wanted - saved) | {k for k in wanted & per_rank if (k, source) not in have}
 
     missing = sorted(missing_on(comm.rank, _wanted(flat)))
     unexpected = sorted(k for k in saved - wanted_anywhere
@@ -451,8 +454,7 @@ def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Commu
             f"{url}: state and checkpoint keys differ; " + "; ".join(parts)
             + ". Pass strict=False to load the keys they share", missing, unexpected,
         )
-    others = {r: sorted(missing_on(r, v["wanted"])) for r, v in enumerate(everyone)
-              if missing_on(r, v["wanted"])}
+    others = {r: sorted(m) for r, v in enumerate(everyone) if (m := missing_on(r, v["wanted"]))}
     if others:
         raise RankFailedError(
             f"checkpoint load failed: keys missing from {url} on rank(s) {sorted(others)}: "
