@@ -112,28 +112,6 @@ def write_shares(files_per: str | None, host_size: int | None, rank_bytes: list[
             for rank, mine in enumerate(rank_bytes)]
 
 
-# -- agreeing on a plan-cache hit -----------------------------------------------------------------
-
-
-def agree_on_hit(comm: Communicator, layout: HostLayout, mine: tuple[str, str] | None) -> bool:
-    """True when every rank of the host hit its plan cache for the same save.
-
-    A rank whose cache hits writes before the save's first collective; in host mode that
-    means streaming to (or receiving from) the rest of its host, which would block on a rank
-    that missed and went to plan. So the host hits only as a whole; a host that does not
-    plans with the rest of the world (the coordinator then has every rank plan again)."""
-    if not layout.members:
-        return mine is not None
-    if comm.rank != layout.leader:
-        comm.send_object(mine, layout.leader)
-        return bool(comm.recv_object(layout.leader))
-    others = [comm.recv_object(m) for m in layout.members]
-    verdict = mine is not None and all(o == mine for o in others)
-    for m in layout.members:
-        comm.send_object(verdict, m)
-    return verdict
-
-
 # -- a member ---------------------------------------------------------------------------------------
 
 

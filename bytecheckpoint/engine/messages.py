@@ -1,10 +1,12 @@
 """The save protocol: what ranks and the coordinator say to each other, one class per message.
 
 A save's first collective is a gather to the coordinator. Each rank sends a
-:class:`PlanRequest` (its local plan: the cache missed) or a :class:`Written` (its files are
-written under a cached plan). The coordinator answers every rank with :class:`Assign` (write
-these pieces), :class:`Committed` (the checkpoint is in) or :class:`Replan` (ranks disagreed
-about the cached plan; plan again). After planned writes, every rank sends its
+:class:`PlanRequest` (its local plan: the cache missed), a :class:`Written` (its files are
+written under a cached plan) or, with ``files_per="host"``, a :class:`CacheHit` (its cache
+hit; it writes only once every rank's has). The coordinator answers every rank with
+:class:`Assign` (write these pieces), :class:`Committed` (the checkpoint is in),
+:class:`UseCache` (every rank hit: write under the cached plan) or :class:`Replan` (ranks
+disagreed about the cached plan; plan again). After planned writes, every rank sends its
 ``RankWrite`` and the coordinator broadcasts the :class:`Committed` totals.
 
 Failures are not messages of their own: every collective carries an ``Outcome`` (see
@@ -92,6 +94,17 @@ class Written:
     call: tuple[tuple[str, Any], ...] = ()  # as in PlanRequest
 
 
+@dataclass(frozen=True)
+class CacheHit:
+    """``files_per="host"``: this rank's cache hit plan ``plan_id`` for save ``save_id``. A host
+    streams to its leader, so it writes under a cached plan only once the world agrees."""
+
+    plan_id: str
+    save_id: str
+    async_save: bool
+    call: tuple[tuple[str, Any], ...] = ()  # as in PlanRequest
+
+
 # -- coordinator -> rank -------------------------------------------------------------------
 
 
@@ -110,9 +123,14 @@ class Committed:
 
 
 @dataclass(frozen=True)
+class UseCache:
+    """Every rank's cache hit the same plan (:class:`CacheHit`): write under it."""
+
+
+@dataclass(frozen=True)
 class Replan:
     """Some ranks' plan caches hit and others' did not: plan again, from scratch."""
 
 
-Request = PlanRequest | Written
-Answer = Assign | Committed | Replan
+Request = PlanRequest | Written | CacheHit
+Answer = Assign | Committed | UseCache | Replan

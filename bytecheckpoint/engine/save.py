@@ -76,7 +76,18 @@ from ..storage import CommitMode, Storage, open_storage
 from . import host_files, pieces_memo, snapshot, staging, staging_ring, write_through
 from .async_save import SaveHandle, launch_pending, set_pending, wait_pending
 from .host_files import HostLayout
-from .messages import Assign, Assignment, Committed, PlanRequest, Replan, SaveOptions, Totals, Written
+from .messages import (
+    Assign,
+    Assignment,
+    CacheHit,
+    Committed,
+    PlanRequest,
+    Replan,
+    SaveOptions,
+    Totals,
+    UseCache,
+    Written,
+)
 from .snapshot import Snapshot, SnapshotMode
 from .staging import Stager
 from .staging_ring import CappedStager
@@ -297,11 +308,15 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
             for w in written:  # quietly: the ranks' failure is the error to report
                 abandon(job.storage, w.staging, job.path, w.save_id)
             return [failed] * world
-        requests: list[PlanRequest | Written] = [o.value for o in gathered]
+        requests: list[PlanRequest | Written | CacheHit] = [o.value for o in gathered]
         _check_same_call(requests)
         if all(isinstance(r, PlanRequest) for r in requests):
             return _plan_globally(job, [r.local for r in requests])
         entry = plan_cache.get(job.comm.global_ranks)
+        claims = {(r.plan_id, r.save_id) for r in requests if isinstance(r, CacheHit)}
+        if claims and len(claims) == 1 and all(isinstance(r, CacheHit) for r in requests) \
+                and entry is not None and claims == {(entry.plan_id, entry.save_id())}:
+            return [Outcome(value=UseCache())] * world
         ids = {(w.plan_id, w.save_id) for w in written}
         if len(written) == world and entry is not None and ids == {(entry.plan_id, entry.save_id())}:
             check_shared_objects([w.shared for w in written])
@@ -311,7 +326,7 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
         # Some ranks' caches hit and others' did not: the structure changed on some ranks.
         for w in written:
             abandon(job.storage, w.staging, job.path, w.save_id)
-        if any(r.async_save for r in requests):  # async: the staged copies follow the old plan
+        if written and any(r.async_save for r in requests):  # staged copies follow the old plan
             raise PlanningError(
                 "the state structure changed on some ranks but not on others since the last "
                 "save, so the cached save plan no longer fits and this async save was not "
@@ -359,11 +374,22 @@ def _plan_outcome(job: _Job) -> Outcome:
 
 
 def _call_of(job: _Job) -> tuple[tuple[str, Any], ...]:
-    """The arguments of this rank's ``save()`` that every rank must pass alike."""
-    o = job.opts
+    """The arguments of this rank's ``save()`` that every rank must pass alike. The file
+    layout is compared as resolved (argument or environment), as the ranks will act on it."""
+    o, host = job.opts, job.host
     return (("path", job.storage.url(job.path)), ("step", o.step), ("overwrite", o.overwrite),
             ("chunk_bytes", o.chunk_bytes), ("async_save", o.async_save), ("snapshot", o.snapshot),
-            ("files_per", o.files_per), ("host_size", o.host_size), ("framework", o.framework))
+            ("files_per", "rank" if host is None else "host"),
+            ("host_size", None if host is None else host.size), ("framework", o.framework))
+
+
+def _agree_on_hit(job: _Job, entry: CacheEntry) -> bool:
+    """files_per="host": a host's ranks stream to its leader as they write, so none may write
+    under a cached plan before every rank of the world is known to have hit it, with the
+    same arguments (a rank saving one file per rank would never join the host's streams).
+    One round with the coordinator, in place of the planning round; True: write."""
+    hit = CacheHit(entry.plan_id, entry.save_id(), job.opts.async_save, _call_of(job))
+    return isinstance(_first_round(job, Outcome(value=hit), None), UseCache)
 
 
 def _check_same_call(requests: list[Any]) -> None:
@@ -743,9 +769,9 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
             # atomic rename; object stores (metadata-last commit) plan every save.
             hit = (local_error is None and entry is not None and entry.key == job.key
                    and storage.commit_mode is CommitMode.RENAME)
-            if job.host is not None:  # a host writes under a cached plan only as a whole
-                hit = host_files.agree_on_hit(
-                    comm, job.host, (entry.plan_id, entry.save_id()) if hit and entry else None)
+            if hit and job.host is not None:  # else Replan: every rank plans, below
+                assert entry is not None
+                hit = _agree_on_hit(job, entry)
             plan_span.set(cached=hit)
             if hit:
                 assert entry is not None

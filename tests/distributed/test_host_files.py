@@ -148,16 +148,39 @@ def test_host_files_on_s3_streamed_in_many_blocks(world):
         assert got["extra"] == {"step": 1, "rank": rank}
 
 
-def test_structure_change_on_one_host_replans_with_host_files(world, tmp_path):
-    """Rank 1 alone adds a tensor: host 0 cannot use its cached plan, host 1 can and writes,
-    the coordinator has every rank plan again, and the save completes."""
+@pytest.mark.parametrize("async_save", [False, True])
+def test_structure_change_on_one_host_replans_with_host_files(world, tmp_path, async_save):
+    """Rank 1 alone adds a tensor: its cache misses, the others' hit, and with host files no
+    rank writes before the world agrees, so every rank plans again and the save completes,
+    async ones too (one file per rank fails an async save here: its hits wrote already)."""
     env = {"BCP_FILES_PER": "host", "BCP_COMM_HOST_SIZE": "2"}
     results = world(4).run(hw.with_env, env, "tests.support.save_workloads", "structure_changes_on_one_rank",
-                           str(tmp_path), False)
+                           str(tmp_path), async_save)
     for r in results:
         assert r["second"] == ("saved", False)
     assert _storage_files(str(tmp_path / "second")) == [f"model-h0000{h}.safetensors" for h in (0, 1)]
     assert_changed_structure_loads(str(tmp_path))
+
+
+def test_ranks_that_disagree_on_files_per_fail_by_name(world, tmp_path):
+    """files_per="host" on some ranks and not others, by argument or by environment, whether
+    the host-mode or the rank-mode ranks hit their plan caches: every rank raises an
+    InvalidArgumentError naming files_per within seconds (a host-mode rank used to wait for
+    its host forever), nothing is committed, and the agreed save after it loads bit for bit."""
+    results = world(4).run(hw.files_per_differs, str(tmp_path))
+    for name in ("planned", "hosts_hit", "ranks_hit", "environment"):
+        for rank, r in enumerate(results):
+            kind, message = r[name]["outcome"]
+            assert kind == "InvalidArgumentError", (name, rank, r[name])
+            assert "files_per" in message and "'host'" in message and "'rank'" in message, message
+            assert r[name]["seconds"] < 30, (name, rank, r[name])
+        assert not (tmp_path / name).exists(), name
+    assert [r["agreed"]["outcome"] for r in results] == [("saved", False)] * 4
+    assert [r["agreed_again"]["outcome"] for r in results] == [("saved", True)] * 4
+    assert _storage_files(str(tmp_path / "agreed_again")) == HOST_FILES
+    for got in world(4).run(sw.load_step, str(tmp_path), "agreed_again"):
+        _same_tensors(results[0]["ref"], got["state"])
+    assert sorted(os.listdir(tmp_path)) == ["agreed", "agreed_again", "hosts", "latest", "ranks"]
 
 
 def test_single_process_host_files_and_bad_settings(tmp_path, monkeypatch):

@@ -141,3 +141,36 @@ def with_env(env: dict[str, str], module: str, name: str, *args: Any) -> Any:
 
     with env_set(env):
         return getattr(importlib.import_module(module), name)(*args)
+
+
+def _try_save(root: str, name: str, model: Any, optim: Any, **kwargs: Any) -> dict[str, Any]:
+    t = time.perf_counter()
+    try:
+        result = bcp.save(f"{root}/{name}", _state(model, optim, 5), framework="fsdp2", **kwargs)
+        outcome: tuple = ("saved", result.cached_plan)
+    except Exception as exc:  # every rank must get here, within seconds
+        outcome = (type(exc).__name__, str(exc))
+    return {"outcome": outcome, "seconds": time.perf_counter() - t}
+
+
+def files_per_differs(root: str) -> dict[str, Any]:
+    """Ranks that disagree on ``files_per``: host mode on some ranks, one file per rank on the
+    others, by argument and by environment, on a planned save and on saves whose plan cache
+    hit on the host-mode ranks or on the rank-mode ones. Then the same save, agreed."""
+    plan_cache.clear()
+    model, optim = w.make_fsdp2(seed=0)
+    rank = dist.get_rank()
+    w.train_step(model, optim, 0, rank)
+    out: dict[str, Any] = {}
+    even = HOST if rank % 2 == 0 else {}
+    out["planned"] = _try_save(root, "planned", model, optim, **even)
+    bcp.save(f"{root}/hosts", _state(model, optim, 5), framework="fsdp2", **HOST)  # caches host mode
+    out["hosts_hit"] = _try_save(root, "hosts_hit", model, optim, **(HOST if rank != 1 else {}))
+    bcp.save(f"{root}/ranks", _state(model, optim, 5), framework="fsdp2")  # caches rank mode
+    out["ranks_hit"] = _try_save(root, "ranks_hit", model, optim, **(HOST if rank == 0 else {}))
+    with env_set({"BCP_FILES_PER": "host", "BCP_COMM_HOST_SIZE": "2"} if rank == 3 else {}):
+        out["environment"] = _try_save(root, "environment", model, optim)
+    out["agreed"] = _try_save(root, "agreed", model, optim, **HOST)
+    out["agreed_again"] = _try_save(root, "agreed_again", model, optim, **HOST)
+    out["ref"] = _tensors(w.full_state(model, optim))
+    return out

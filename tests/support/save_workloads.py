@@ -99,7 +99,9 @@ def load_step(root: str, name: str) -> dict[str, Any]:
 
 def structure_changes_on_one_rank(root: str, async_save: bool) -> dict[str, Any]:
     """Rank 1 alone adds a replicated tensor between two saves: its cache misses while the
-    others hit. A synchronous save plans again; an async save fails on every rank."""
+    others hit. A synchronous save plans again; an async save fails on every rank (one file per
+    rank: the hits wrote already) or plans again (files_per="host": nothing is written before
+    the world agrees)."""
     plan_cache.clear()
     rank = dist.get_rank()
     shard = torch.arange(8.0).reshape(2, 4) + 10 * rank
