@@ -85,6 +85,10 @@ class TieringConfig:
     def _check_policy(self) -> TieringConfig:
         if self.keep_newest < 0 or self.keep_every < 0:
             raise ConfigError("keep_newest and keep_every must be >= 0")
+        if self.delete_after is not None and self.keep_newest < 1:
+            # A run whose latest pointer is missing would lose every checkpoint it has.
+            raise ConfigError("keep_newest=0 with delete_after set would let retention delete every "
+                              "checkpoint of a run; keep at least the newest (keep_newest >= 1)")
         if self.delete_after is not None and self.delete_after < self.cool_after:
             raise ConfigError(f"delete_after ({self.delete_after:g}s) is shorter than cool_after "
                               f"({self.cool_after:g}s)")

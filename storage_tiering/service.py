@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from bytecheckpoint.manage.catalog import hot_bytes, orphans, scan
-from bytecheckpoint.manage.deletion import delete_checkpoint
+from bytecheckpoint.manage.deletion import delete_checkpoint, delete_on_storage
 from bytecheckpoint.manage.journal import JOURNAL_FILE, LOCK_FILE, Journal, TierBusyError, exclusive
 from bytecheckpoint.storage import open_storage
 from bytecheckpoint.storage.redact import redact
@@ -126,10 +126,9 @@ def _run_hdfs(config: TieringConfig, dry_run: bool, now: float, on_step: Hook | 
             if d.action == "cool":
                 report.cooled.append(mover.cool(d.checkpoint))
             elif d.action == "delete":
-                url = storage.url(d.checkpoint.path)
-                with span("tiering.delete", checkpoint=url, path=url, bytes=d.checkpoint.size):
-                    storage.delete(f"{d.checkpoint.path}/metadata.msgpack")  # uncommit first
-                    storage.delete(d.checkpoint.path)
+                # Checked again under the path's save lock (the Mover may have run for hours
+                # since the scan): pins, leases, latest, a new save at the path.
+                delete_on_storage(storage, d.checkpoint, cold_in_place=True)
                 report.deleted.append(storage.url(d.checkpoint.path))
         except Exception as exc:
             url = redact(storage.url(d.checkpoint.path))

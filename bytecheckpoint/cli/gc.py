@@ -198,15 +198,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def register(add: Adder) -> None:
     gc = add("gc", "delete old checkpoints (dry run unless --yes)",
              "Retention for a local root. Keeps, in every run: the newest --keep-last committed checkpoints "
-             "(at least 1: the newest committed is never deleted), steps divisible by --keep-every, and "
-             "anything uncommitted (a save being written), pinned, being read or named by 'latest'. "
+             "(at least 1: the newest committed is never deleted; by step, or by time in a run where some "
+             "checkpoint has no step), steps divisible by --keep-every (and checkpoints without a step), "
+             "anything uncommitted (a save being written), pinned, being read or named by 'latest', and "
+             "checkpoints whose directory holds files that are not theirs. "
              "Deletes the rest, with their cold copies. Dry run by default: prints what it would delete "
              "and the bytes it would free.")
     gc.add_argument("root", metavar="ROOT")
     gc.add_argument("--keep-last", type=int, required=True, metavar="N",
                     help="keep the newest N committed checkpoints of each run (at least 1)")
     gc.add_argument("--keep-every", type=int, default=0, metavar="K",
-                    help="also keep steps divisible by K")
+                    help="also keep steps divisible by K (and checkpoints saved without a step)")
     gc.add_argument("--yes", "--delete", dest="yes", action="store_true", help="really delete")
     gc.add_argument("--cold", default=os.environ.get("BCP_TIERING_COLD") or None, metavar="DIR",
                     help="the cold tier's root, whose copies are deleted too (default $BCP_TIERING_COLD)")

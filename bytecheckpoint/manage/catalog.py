@@ -29,12 +29,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import xxhash
+
 from ..commit.leases import LEASED_SCHEMES, is_being_read, is_pinned
 from ..commit.protocol import LATEST_FILE, read_latest
 from ..commit.save_lock import STAGING_TAG, local_os_path
 from ..commit.timeline import abandoned_flags, metrics_of, timeline_of
 from ..errors import CheckpointError
 from ..format.metadata import METADATA_FILE, CheckpointMetadata
+from ..format.metadata_file import read_metadata_bytes
 from ..storage import Storage, open_storage, split_url
 from ..storage.local import LocalStorage
 from .protection import untouchable_reason
@@ -75,6 +78,7 @@ class _Read:
     meta: CheckpointMetadata | None
     meta_size: int
     problem: str | None
+    identity: bytes = b""  # xxh3-128 of the metadata bytes (``integrity.metadata_identity``)
 
 
 def _cooled_link(full: str, ckpt_dir: str, cold_root: str | None) -> bool:
@@ -109,12 +113,14 @@ class Catalog:
             return None
         except OSError as exc:  # e.g. a metadata path that is a directory on some backends
             return _Read(None, 0, f"unreadable metadata ({str(exc)[:200]})")
-        key = (path, size)
+        # An overwrite often writes metadata of the same size: on local disk the file's inode
+        # and mtime tell the new one from the old.
+        key: tuple = (path, size, *_file_stamp(self._local(meta_path)))
         if key not in self._cache:
             try:
-                meta = CheckpointMetadata.from_bytes(bytes(self.storage.read(meta_path)),
-                                                     source=self.storage.url(meta_path))
-                self._cache[key] = _Read(meta, size, None)
+                raw = read_metadata_bytes(self.storage, meta_path)
+                meta = CheckpointMetadata.from_bytes(raw, source=self.storage.url(meta_path))
+                self._cache[key] = _Read(meta, size, None, xxhash.xxh3_128_digest(raw))
             except FileNotFoundError:
                 return None
             except (CheckpointError, OSError, ValueError, TypeError) as exc:
@@ -232,12 +238,14 @@ class Catalog:
                     pass  # a missing file: verification refuses it
                 cold += _cooled_link(full, local, self.cold_root)
         tier = "hot" if cold == 0 else ("cold" if cold == len(files) else "partial")
+        foreign = _foreign_entries(local, files) if local is not None else ()
         user = dict(meta.user_metadata) if isinstance(meta.user_metadata, Mapping) else {}
         info = CheckpointInfo(
             step=step, time=when, size=sum(f.size for f in meta.files) + read.meta_size,
             tier=tier if local is not None else self.storage.scheme, metrics=metrics_of(user),
             timeline=timeline_of(user), committed=True, problem=problem or step_problem or time_problem,
-            modified=modified, files=files, cold_files=cold, **common)
+            modified=modified, files=files, cold_files=cold, identity=read.identity, foreign=foreign,
+            **common)
         return _Built(info, user if info.problem is None else None)
 
 
@@ -254,6 +262,25 @@ def _replace_abandoned(c: CheckpointInfo, abandoned: bool) -> CheckpointInfo:
 def _staging_names(entries: list[str]) -> set[str]:
     """The checkpoints of a run directory a save is writing (their staging directories)."""
     return {e[1:].split(STAGING_TAG)[0] for e in entries if e.startswith(".") and STAGING_TAG in e}
+
+
+def _file_stamp(local: str | None) -> tuple[int, int]:
+    if local is None:
+        return (0, 0)
+    try:
+        st = os.stat(local)
+    except OSError:
+        return (0, 0)
+    return (st.st_ino, st.st_mtime_ns)
+
+
+def _foreign_entries(local: str, files: tuple[str, ...]) -> tuple[str, ...]:
+    """Entries of a checkpoint directory that are not the checkpoint's files (a user's notes,
+    an evaluation's output): nothing of ours deletes them."""
+    try:
+        return tuple(sorted(set(os.listdir(local)) - set(files)))
+    except OSError:
+        return ()
 
 
 def _mtime_of_entries(local: str | None) -> float:

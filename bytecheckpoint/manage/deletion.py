@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from telemetry import span
 
 from ..commit import save_lock
+from ..commit.integrity import metadata_identity
 from ..commit.leases import is_being_read, is_pinned
+from ..commit.protocol import read_latest
 from ..errors import CheckpointError
 from ..format.metadata import METADATA_FILE
 from ..storage import Storage
@@ -108,6 +110,23 @@ def delete_tree(hot_dir: str, cold_root: str | None, hot_root: str) -> Deleted:
     return Deleted(hot_dir, deleted, freed)
 
 
+def _refuse_if_changed(url: str, ckpt: CheckpointInfo, now: bytes | None) -> None:
+    """Retention decided on the checkpoint it scanned; a new save may have put another one
+    at the path since (``overwrite=True``), which the decision says nothing about."""
+    if ckpt.identity and now != ckpt.identity:
+        raise DeletionRefusedError(
+            f"{url} was replaced by a new save since the decision to delete it; kept "
+            "(the next pass decides on the new one)")
+
+
+def _refuse_if_foreign(url: str, foreign: list[str] | tuple[str, ...]) -> None:
+    if foreign:
+        shown = ", ".join(repr(n) for n in list(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise DeletionRefusedError(
+            f"{url} also holds {shown}, which are not part of the checkpoint; kept. Move those "
+            "out (the next pass deletes the checkpoint), or delete the directory yourself")
+
+
 def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None,
                       journal: Journal | None) -> Deleted:
     """Retention: rename the checkpoint aside (it stops being one at once), then delete its
@@ -124,6 +143,9 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
     why = untouchable_reason(fresh) if fresh is not None else "no longer a checkpoint"
     if why is not None:
         raise DeletionRefusedError(f"{path}: {why} since the decision; kept")
+    assert fresh is not None
+    _refuse_if_changed(path, ckpt, fresh.identity)
+    _refuse_if_foreign(path, fresh.foreign)
     op_id = uuid.uuid4().hex[:12]
     parent, name = os.path.split(path)
     trash = os.path.join(parent, f".{name}.deleting-{op_id}")
@@ -132,12 +154,15 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
         if journal is not None:
             journal.append(op_id, "delete", "begin", checkpoint=path, trash=trash, cold_dir=cold_dir)
         os.rename(path, trash)
-        if os.lstat(trash).st_ino != identity:
-            # A save committed a new checkpoint at the path after the check: put it back.
+        moved = describe(trash, hot_root, cold_root)
+        if os.lstat(trash).st_ino != identity or moved is None or moved.identity != fresh.identity \
+                or moved.foreign:
+            # A save committed a new checkpoint at the path after the check, or a file of
+            # someone else's appeared in it: put it back.
             os.rename(trash, path)
             if journal is not None:
-                journal.append(op_id, "delete", "aborted", error="replaced by a new save")
-            raise DeletionRefusedError(f"{path} was replaced by a new save while being deleted; kept")
+                journal.append(op_id, "delete", "aborted", error="changed while being deleted")
+            raise DeletionRefusedError(f"{path} was replaced or written to while being deleted; kept")
         fsync_dir(parent)
         done = delete_tree(trash, cold_root, hot_root)
         if cold_dir is not None and cold_root is not None:
@@ -147,13 +172,16 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
     return Deleted(path, done.cold_files, done.bytes_freed)
 
 
-def delete_on_storage(storage: Storage, ckpt: CheckpointInfo) -> None:
+def delete_on_storage(storage: Storage, ckpt: CheckpointInfo, *, cold_in_place: bool = False) -> None:
     """Delete a checkpoint through the storage layer, on any backend (the manager's retention,
-    ``bcp gc`` on an object store): under its path's save lock, pins and leases checked again
-    under it, the metadata first (it stops being committed at once), then the rest. A cooled
-    checkpoint (files that are links into a cold tier) is refused: only :func:`delete_checkpoint`,
-    given the cold root, removes its cold copies with it. Raises DeletionRefusedError when kept."""
-    if ckpt.cold_files:
+    ``bcp gc`` on an object store, HDFS tiering): under its path's save lock, checked again
+    under it (pins, leases, ``latest``, a new save at the path since the decision, entries
+    that are not the checkpoint's), the metadata first (it stops being committed at once),
+    then the rest. A cooled checkpoint (files that are links into a cold tier) is refused:
+    only :func:`delete_checkpoint`, given the cold root, removes its cold copies with it;
+    ``cold_in_place``: its cold files are its own, at its path (an HDFS storage policy).
+    Raises DeletionRefusedError when kept."""
+    if ckpt.cold_files and not cold_in_place:
         raise DeletionRefusedError(
             f"{ckpt.url} is cooled to another tier (its files are links): deleting here would orphan "
             "its cold copies; delete it with `bcp gc --cold COLD_ROOT`")
@@ -164,11 +192,29 @@ def delete_on_storage(storage: Storage, ckpt: CheckpointInfo) -> None:
     try:
         if is_pinned(storage, path) or is_being_read(storage, path):
             raise DeletionRefusedError(f"{ckpt.url}: pinned or being read since the decision; kept")
+        _refuse_if_changed(ckpt.url, ckpt, metadata_identity(storage, path))
+        if _names_latest(storage, path):
+            raise DeletionRefusedError(f"{ckpt.url}: named by latest since the decision; kept")
+        if ckpt.files:
+            _refuse_if_foreign(ckpt.url, sorted(set(storage.list_dir(path)) - set(ckpt.files)))
         with span("tiering.delete", checkpoint=ckpt.url, path=ckpt.url, bytes=ckpt.size, step=ckpt.step):
             storage.delete(posixpath.join(path, METADATA_FILE))  # uncommitted first
             storage.delete(path)
     finally:
         lock.release()
+
+
+def _names_latest(storage: Storage, path: str) -> bool:
+    """Whether the run's ``latest`` pointer names the checkpoint at ``path`` (or cannot be
+    read: then which one it protects is unknown, and this one is kept too)."""
+    parent, name = posixpath.split(path.rstrip("/"))
+    try:
+        found = read_latest(storage, parent)
+    except FileNotFoundError:
+        return False
+    except Exception:  # unreadable: the checkpoint it protects is unknown
+        return True
+    return found is not None and found.name == name
 
 
 def recover_deletion(hot_root: str, cold_root: str | None, rec: dict) -> None:

@@ -35,6 +35,10 @@ class CheckpointInfo:
     modified: float = 0.0  # last modification or commit, whichever is later (the age tiering uses)
     files: tuple[str, ...] = ()  # storage files, then the metadata file
     cold_files: int = 0  # files already in the cold tier (links into it, or an HDFS cold policy)
+    # xxh3-128 of the metadata as scanned (b"": uncommitted): a deletion goes ahead only if the
+    # checkpoint at the path is still this one, not one a new save put there since.
+    identity: bytes = b""
+    foreign: tuple[str, ...] = ()  # local disk: entries of its directory that are not its files
 
     @property
     def key(self) -> str:

@@ -69,9 +69,18 @@ def _order(c: Any) -> tuple[int, float]:
     return (c.step if isinstance(c.step, int) else -1, c.time)
 
 
+def _newest_first(checkpoints: Sequence[Any]) -> list[int]:
+    """Indices, newest first: by step, then time; by time alone when some checkpoint has no
+    step (``save()`` without one), which would otherwise always count as the oldest."""
+    if all(isinstance(c.step, int) for c in checkpoints):
+        return sorted(range(len(checkpoints)), key=lambda i: _order(checkpoints[i]), reverse=True)
+    return sorted(range(len(checkpoints)), key=lambda i: checkpoints[i].time, reverse=True)
+
+
 @dataclass(frozen=True)
 class KeepLast(Policy):
-    """The ``k`` newest checkpoints (by step, then time)."""
+    """The ``k`` newest checkpoints (by step, then time; by time alone in a run where some
+    checkpoint was saved without a step)."""
 
     k: int
 
@@ -79,14 +88,14 @@ class KeepLast(Policy):
         _count("KeepLast", self.k)
 
     def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
-        newest = sorted(range(len(checkpoints)), key=lambda i: _order(checkpoints[i]), reverse=True)
-        keep = set(newest[: self.k])
+        keep = set(_newest_first(checkpoints)[: self.k])
         return [i in keep for i in range(len(checkpoints))]
 
 
 @dataclass(frozen=True)
 class KeepEvery(Policy):
-    """Checkpoints whose step is a multiple of ``k``."""
+    """Checkpoints whose step is a multiple of ``k``, and those saved without a step (which
+    cannot be judged by it)."""
 
     k: int
 
@@ -94,7 +103,7 @@ class KeepEvery(Policy):
         _count("KeepEvery", self.k)
 
     def select(self, checkpoints: Sequence[Any], *, context: Context) -> list[bool]:
-        return [isinstance(c.step, int) and c.step % self.k == 0 for c in checkpoints]
+        return [not isinstance(c.step, int) or c.step % self.k == 0 for c in checkpoints]
 
 
 @dataclass(frozen=True)

@@ -211,3 +211,113 @@ def test_a_save_running_while_gc_runs_loses_nothing(capsys, tmp_path):
     assert sorted(os.listdir(root)) == ["latest", f"step_{n - 1}", f"step_{n}"]
     _loads_as(root, n)  # through latest
     _loads_as(f"{root}/step_{n - 1}", n - 1)
+
+
+def _aged(root: str, names: list[str], days: float) -> None:
+    t = time.time() - days * DAY
+    for name in names:
+        for n in os.listdir(f"{root}/{name}"):
+            os.utime(f"{root}/{name}/{n}", (t, t))
+
+
+def test_a_checkpoint_saved_again_after_the_scan_is_not_deleted(tmp_path):
+    """Retention decides on the scan, then deletes, minutes later on real sizes (the pass
+    cools others first). A save that put a new checkpoint at the path meanwhile
+    (``overwrite=True``) must not be deleted on the old one's age, by the local tier's
+    deletion nor through the storage layer."""
+    from bytecheckpoint.manage.deletion import DeletionRefusedError, delete_checkpoint, delete_on_storage
+    from bytecheckpoint.storage import open_storage
+
+    hot = str(tmp_path / "hot")
+    _run(f"{hot}/run", range(1, 5))
+    scanned = {c.name: c for c in scan(hot)}
+    bcp.save(f"{hot}/run/step_2", {"model": _state(20)}, step=2, overwrite=True)  # same sizes
+    refused = []
+    for delete in (lambda c: delete_checkpoint(c, hot, None, None),
+                   lambda c: delete_on_storage(open_storage(hot)[0], c)):
+        try:
+            delete(scanned["step_2"])
+        except DeletionRefusedError as exc:
+            refused.append(str(exc))
+    assert len(refused) == 2 and all("replaced by a new save" in r for r in refused), refused
+    target = {"model": {k: torch.zeros_like(v) for k, v in _state(20).items()}}
+    bcp.load(f"{hot}/run/step_2", target)
+    assert all(torch.equal(target["model"][k], v) for k, v in _state(20).items())
+    delete_checkpoint(scanned["step_1"], hot, None, None)  # unchanged: deleted as decided
+    assert sorted(os.listdir(f"{hot}/run")) == ["latest", "step_2", "step_3", "step_4"]
+    rescanned = {c.name: c for c in scan(hot)}
+    assert rescanned["step_2"].identity != scanned["step_2"].identity
+
+
+def test_files_of_someone_elses_in_a_checkpoint_keep_it(capsys, tmp_path):
+    """Notes or an evaluation's output kept inside a checkpoint directory are not ours: gc, the
+    manager's retention and the tiering service keep the checkpoint (overwrite refuses it too)
+    and say why, and delete it once they are moved out."""
+    from bytecheckpoint import CheckpointManager, KeepLast
+
+    root = f"{tmp_path}/run"
+    _run(root, range(1, 4))
+    Path(f"{root}/step_1/NOTES.txt").write_text("lr sweep 3")
+    os.makedirs(f"{root}/step_1/eval")
+    Path(f"{root}/step_1/eval/results.json").write_text("{}")
+    code, out, err = _gc(capsys, root, "--keep-last", "1", "--yes")
+    assert code == 1 and "'NOTES.txt', 'eval'" in err and "not part of the checkpoint" in err, (out, err)
+    assert Path(f"{root}/step_1/eval/results.json").read_text() == "{}"
+    assert not os.path.exists(f"{root}/step_2")  # the others went as decided
+    _loads_as(f"{root}/step_1", 1)
+
+    hot = f"{tmp_path}/hot"
+    _run(f"{hot}/run", range(1, 4))
+    Path(f"{hot}/run/step_1/NOTES.txt").write_text("keep me")
+    _aged(f"{hot}/run", ["step_1", "step_2"], 100)
+    os.makedirs(f"{tmp_path}/cold")
+    report = run_once(load_config(hot=hot, cold=f"{tmp_path}/cold", keep_newest=1, cool_after="30d",
+                                  delete_after="60d", env={}))
+    assert [os.path.basename(p) for p in report.deleted] == ["step_2"]
+    assert any("NOTES.txt" in why for why in report.failed.values()), report.failed
+    assert Path(f"{hot}/run/step_1/NOTES.txt").read_text() == "keep me"
+
+    mroot = f"{tmp_path}/managed"
+    manager = CheckpointManager(mroot, retention=KeepLast(1), async_save=False)
+    manager.save(1, {"model": _state(1)}, force=True)
+    Path(f"{mroot}/step_1/NOTES.txt").write_text("mine")
+    manager.save(2, {"model": _state(2)}, force=True)
+    assert Path(f"{mroot}/step_1/NOTES.txt").read_text() == "mine"
+    os.unlink(f"{mroot}/step_1/NOTES.txt")
+    manager.save(3, {"model": _state(3)}, force=True)
+    manager.close()
+    assert sorted(os.listdir(mroot)) == ["latest", "step_3"]
+
+
+def test_a_checkpoint_saved_without_a_step_is_ordered_by_time(capsys, tmp_path):
+    """``save()`` without ``step=``: retention used to count such a checkpoint as the oldest of
+    its run whatever its age, so ``--keep-last 2`` deleted a ``final`` saved after step 3. A run
+    with one orders by time; ``--keep-every`` cannot judge it, so keeps it."""
+    root = f"{tmp_path}/run"
+    _run(root, range(1, 4))
+    bcp.save(f"{root}/final", {"model": _state(7)})
+    for n, age in (("step_1", 4), ("step_2", 3), ("step_3", 2), ("final", 1)):
+        _aged(root, [n], age)
+    code, out, err = _gc(capsys, root, "--keep-last", "2", "--yes")
+    assert code == 0, err
+    assert sorted(os.listdir(root)) == ["final", "latest", "step_3"], out
+    _loads_as(f"{root}/final", 7)
+    bcp.save(f"{root}/step_4", {"model": _state(4)}, step=4)
+    code, out, err = _gc(capsys, root, "--keep-last", "1", "--keep-every", "100", "--yes")
+    assert code == 0, err
+    assert sorted(os.listdir(root)) == ["final", "latest", "step_4"], out  # step_4: latest
+
+
+def test_tiering_refuses_retention_that_keeps_no_newest(tmp_path):
+    from storage_tiering.config import ConfigError
+
+    hot, cold = f"{tmp_path}/hot", f"{tmp_path}/cold"
+    os.makedirs(hot)
+    os.makedirs(cold)
+    try:
+        load_config(hot=hot, cold=cold, keep_newest=0, delete_after="60d", env={})
+    except ConfigError as exc:
+        assert "keep_newest" in str(exc)
+    else:
+        raise AssertionError("keep_newest=0 with delete_after was accepted")
+    assert load_config(hot=hot, cold=cold, keep_newest=0, env={}).keep_newest == 0

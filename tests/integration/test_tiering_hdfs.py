@@ -83,6 +83,38 @@ def test_old_checkpoints_get_the_cold_policy_in_place_and_a_second_pass_does_not
     assert {d.checkpoint.name: d.reason for d in again.decisions}["step_1"] == "already cold"
 
 
+def test_retention_checks_again_before_it_deletes(cluster, monkeypatch):
+    """The Mover runs for hours between a pass's scan and its deletions: a checkpoint pinned,
+    saved again at its path (``overwrite=True``, now named by ``latest``), or holding a file
+    that is not its own since the scan is kept, and still loads; the others go."""
+    import storage_tiering.service as service
+    from bytecheckpoint.commit.leases import pin
+
+    _, models = cluster
+    bcp.save(f"{ROOT}/run/step_4", {"model": models[3]}, step=4)
+    replacement = torch.nn.Linear(64, 32)
+    decide = service.decide
+
+    def decide_then_change(*args, **kwargs):
+        decisions = decide(*args, **kwargs)
+        pin(f"{ROOT}/run/step_1", "a person keeps it")
+        bcp.save(f"{ROOT}/run/step_2", {"model": replacement}, step=9, overwrite=True)
+        return decisions
+
+    monkeypatch.setattr(service, "decide", decide_then_change)
+    config = load_config(env={}, hot=ROOT, cool_after="1d", delete_after="60d", keep_newest=1)
+    report = run_once(config, admin=RecordingAdmin(), now=time.time() + 90 * 86400)
+    assert sorted(d.checkpoint.name for d in report.decisions if d.action == "delete") == [
+        "step_1", "step_2", "step_3"]
+    assert report.deleted == [f"{ROOT}/run/step_3"]
+    assert "pinned" in report.failed[f"{ROOT}/run/step_1"]
+    assert "replaced by a new save" in report.failed[f"{ROOT}/run/step_2"]
+    _loads_exactly(1, models[1])
+    _loads_exactly(2, replacement)
+    latest = torch.nn.Linear(64, 32)
+    assert bcp.load(f"{ROOT}/run", {"model": latest}).step == 9
+
+
 @pytest.mark.parametrize("step", ["policy", "migrated"])
 def test_an_interrupted_move_is_finished_by_the_next_pass(cluster, step):
     client, models = cluster
