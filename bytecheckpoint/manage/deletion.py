@@ -225,6 +225,15 @@ def recover_deletion(hot_root: str, cold_root: str | None, rec: dict) -> None:
             and inside(os.path.realpath(trash), os.path.realpath(hot_root))):
         return
     if os.path.isdir(trash) and not os.path.islink(trash):
+        moved = describe(trash, hot_root, cold_root)
+        home = rec.get("checkpoint")
+        if moved is not None and moved.foreign:
+            # A crash came between the rename and its check: entries that are not the
+            # checkpoint's are never deleted; it goes back where it was if that is free.
+            if isinstance(home, str) and os.path.dirname(home) == os.path.dirname(trash) \
+                    and not os.path.lexists(home):
+                os.rename(trash, home)
+            return
         delete_tree(trash, cold_root, hot_root)  # renamed away, so no longer a checkpoint: finish
     cold_dir = rec.get("cold_dir")
     if isinstance(cold_dir, str) and cold_root is not None and not os.path.isdir(rec.get("checkpoint") or ""):

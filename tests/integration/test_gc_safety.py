@@ -321,3 +321,27 @@ def test_tiering_refuses_retention_that_keeps_no_newest(tmp_path):
     else:
         raise AssertionError("keep_newest=0 with delete_after was accepted")
     assert load_config(hot=hot, cold=cold, keep_newest=0, env={}).keep_newest == 0
+
+
+def test_a_deletion_cut_short_after_its_rename_is_finished_but_never_takes_foreign_files(tmp_path):
+    """A crash after a deletion renamed the checkpoint aside: the next pass finishes it from
+    the journal; if a file that is not the checkpoint's is in the renamed directory, it is put
+    back instead, with that file."""
+    from bytecheckpoint.manage.deletion import recover_deletions
+    from bytecheckpoint.manage.journal import Journal
+
+    hot, cold = f"{tmp_path}/hot", f"{tmp_path}/cold"
+    _run(f"{hot}/run", range(1, 4))
+    os.makedirs(cold)
+    journal = Journal(cold)
+    for step, extra in ((1, None), (2, "NOTES.txt")):
+        path = f"{hot}/run/step_{step}"
+        trash = f"{hot}/run/.step_{step}.deleting-00000000000{step}"
+        journal.append(f"00000000000{step}", "delete", "begin", checkpoint=path, trash=trash, cold_dir=None)
+        os.rename(path, trash)  # the crash comes here
+        if extra:
+            Path(f"{trash}/{extra}").write_text("mine")
+    assert recover_deletions(hot, cold, journal) == 2
+    assert sorted(os.listdir(f"{hot}/run")) == ["latest", "step_2", "step_3"]
+    assert Path(f"{hot}/run/step_2/NOTES.txt").read_text() == "mine"
+    _loads_as(f"{hot}/run/step_2", 2)
