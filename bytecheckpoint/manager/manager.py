@@ -30,10 +30,12 @@ from typing import Any
 
 from ..api import check_step, load
 from ..api import save as _save
+from ..commit.protocol import Latest, read_latest, repair
 from ..commit.timeline import MANAGER_KEY, Timeline
 from ..errors import (
     CheckpointError,
     ConcurrentSaveError,
+    CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
 )
@@ -53,7 +55,16 @@ log = logging.getLogger(__name__)
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _ACTIVE: dict[str, int] = {}  # root URL -> id of the open manager on it, in this process
 _ACTIVE_LOCK = threading.Lock()
-_ERRORS = {c.__name__: c for c in (NotACheckpointError, InvalidArgumentError, ConcurrentSaveError)}
+_ERRORS = {c.__name__: c for c in (NotACheckpointError, InvalidArgumentError, ConcurrentSaveError,
+                                   CorruptCheckpointError)}
+
+
+def _loadable(c: CheckpointInfo | None) -> bool:
+    return c is not None and c.committed and c.problem is None
+
+
+def _why(c: CheckpointInfo) -> str:
+    return c.problem or "its metadata cannot be read"
 
 
 def _release_root(key: str, owner: int) -> None:
@@ -131,6 +142,7 @@ class CheckpointManager:
         self.last_result: Any = None  # the SaveResult of the last save waited for
         self.last_load: Any = None  # the LoadResult of the last restore
         self._pending_step: int | None = None
+        self._pending_name: str | None = None  # the name of the save in flight (retention keeps it)
         self._decided: tuple[int, Agreed | None] | None = None
         self._stop = False
         self._closed = False
@@ -248,7 +260,7 @@ class CheckpointManager:
                        async_save=self.async_save and not stopping, **self.save_kwargs)
         self._last_step = step
         self.schedule.saved()
-        self._handle, self._pending_step = result, step
+        self._handle, self._pending_step, self._pending_name = result, step, name
         if not (self.async_save and not stopping):
             self.wait()
         if stopping:
@@ -272,16 +284,61 @@ class CheckpointManager:
 
     def _name_for(self, step: int) -> tuple[str, Timeline]:
         """Rank 0: the new checkpoint's name (``step_<N>``; with the timeline's id where an
-        abandoned checkpoint holds that name) and its timeline."""
+        abandoned checkpoint holds that name) and its timeline. Refuses (nothing written) a save
+        that would not become ``latest``: one continuing the live timeline at a step not after
+        the step ``latest`` names (see :meth:`_check_not_behind`)."""
+        found = self.listing.list(details=False)
+        pointer, head = self._head(found)
+        live = [c for c in found if not c.abandoned and c.problem is None]
+        usable = head if _loadable(head) else None
         timeline = self._timeline
         if timeline is None:  # saving without restore(): continue the live timeline, if any
-            live = [c for c in self.listing.list(details=False) if not c.abandoned]
-            latest = [c for c in live if c.latest] or live[-1:]
-            timeline = latest[0].timeline if latest else Timeline(uuid.uuid4().hex[:16])
+            base = usable or (live[-1] if live else None)
+            timeline = base.timeline if base is not None else Timeline(uuid.uuid4().hex[:16])
+        self._check_not_behind(step, timeline, pointer, head, live)
         name = f"step_{step}"
         if self.storage.exists(posixpath.join(self.root, name)):
             name = f"step_{step}-{timeline.id[:8] or 'x'}"
         return name, timeline
+
+    def _check_not_behind(self, step: int, timeline: Timeline, pointer: Latest | None,
+                          head: CheckpointInfo | None, live: list[CheckpointInfo]) -> None:
+        """Rank 0: refuse a save ``latest`` would not move to. A save continuing the live
+        timeline (this manager did not restore, or restored the checkpoint ``latest`` names and
+        the run has moved on since) at a step not after the step ``latest`` names would stay
+        behind it: ``restore()`` would resume the other run, and retention would delete the new
+        checkpoints first. A rollback (``restore(state, step=...)``) starts a new timeline,
+        which moves ``latest`` whatever the step: allowed."""
+        if pointer is not None:
+            ref_name = pointer.name
+            ref_step = head.step if _loadable(head) and head is not None else pointer.step
+            # An unloadable checkpoint has no timeline to compare: only a manager that never
+            # restored is taken to continue it.
+            continuing = self._timeline is None or (
+                _loadable(head) and head is not None and timeline.holds(head.timeline, head.step))
+        elif live:  # no pointer: the live timeline ends at its newest checkpoint
+            ref_name, ref_step = live[-1].name, live[-1].step
+            continuing = self._timeline is None or timeline.holds(live[-1].timeline, live[-1].step)
+        else:
+            return
+        if continuing and ref_step is not None and step <= ref_step:
+            how = ("this manager did not restore(), so it would continue that run"
+                   if self._timeline is None else
+                   "this manager's timeline reaches it (another run has saved to this root since)")
+            raise InvalidArgumentError(
+                f"{self.url}: step {step} is not after step {ref_step}, the step 'latest' names "
+                f"({ref_name}); {how}, and a save there would not become 'latest': restore() would "
+                "resume the other checkpoints and retention would delete the new ones first. "
+                "Nothing was saved. Call restore(state) first to resume that run (then save steps "
+                f"after {ref_step}), restore(state, step=N) to roll back to step N on a new "
+                "timeline, or give this run a new root")
+        if (pointer is not None and head is not None and not _loadable(head)
+                and pointer.step is not None and step < pointer.step):
+            raise CorruptCheckpointError(
+                f"{self.url}: 'latest' names {pointer.name} (step {pointer.step}), which cannot be "
+                f"loaded ({_why(head)}); a save of step {step} would not move 'latest' past it. "
+                f"Nothing was saved. Repair or remove {pointer.name} (its bytes are kept: nothing "
+                f"deletes it for you), or save a step after {pointer.step}")
 
     def wait(self) -> Any:
         """Wait for the save in flight (raising its error), then apply retention. Returns that
@@ -290,21 +347,29 @@ class CheckpointManager:
         if handle is None:
             return None
         self.last_result = handle.wait() if hasattr(handle, "wait") else handle
+        just_saved, self._pending_name = self._pending_name, None
         if self.retention is not None and self.comm.is_coordinator:
-            self._retain()
+            self._retain(just_saved)
         return self.last_result
 
     # -- retention -----------------------------------------------------------------------------
-    def _retain(self) -> None:
-        """Rank 0, after a commit: delete what the policy does not keep (never a protected one).
-        A failure is logged: the checkpoint just saved is committed whatever happens here."""
+    def _retain(self, just_saved: str | None = None) -> None:
+        """Rank 0, after a commit: delete what the policy does not keep (never a protected one,
+        nor ``just_saved``, the checkpoint this save committed). A failure is logged: the
+        checkpoint just saved is committed whatever happens here."""
         try:
             decisions = plan_deletions(self.listing.list(), self.retention, context=Context(now=time.time()))
         except InvalidArgumentError as exc:
             log.warning("%s: retention skipped: %s", self.url, exc)
             return
         for d in decisions:
-            if d.delete:
+            if d.delete and d.checkpoint.name == just_saved:
+                # Not the newest of the live timeline: something else moved 'latest' on (another
+                # run on this root). Deleting what was just saved would lose it without a word.
+                log.warning("%s: retention would delete %s, which this save just committed; kept "
+                            "('latest' names another checkpoint: is another run saving to this root?)",
+                            self.url, d.checkpoint.name)
+            elif d.delete:
                 try:
                     self._delete(d.checkpoint)
                 except Exception as exc:  # noqa: BLE001 - retention never fails a training step
@@ -320,24 +385,83 @@ class CheckpointManager:
         return self.listing.list()
 
     def latest_step(self) -> int | None:
-        """The step ``latest`` names (the newest save of the live timeline), or None."""
-        found = [c for c in self.listing.list(details=False) if c.latest]
-        if found:
-            return found[0].step
+        """The step ``latest`` names (the newest save of the live timeline), or None when
+        nothing is saved. Where ``latest`` names a checkpoint that is missing or cannot be
+        loaded, still its step (as the pointer records it), never an older one; an unreadable
+        pointer raises :class:`CorruptCheckpointError`."""
+        pointer = read_latest(self.storage, self.root)
+        if pointer is not None:
+            head = self.listing.catalog.one(self.root, pointer.name, details=False)
+            return head.step if _loadable(head) and head is not None else pointer.step
         live = [c for c in self.listing.list(details=False) if not c.abandoned]
         return live[-1].step if live else None
+
+    def _head(self, found: list[CheckpointInfo]) -> tuple[Latest | None, CheckpointInfo | None]:
+        """Rank 0: the ``latest`` pointer (None when there is none, or it cannot be read: the
+        listing then gives every checkpoint that problem) and the checkpoint it names: its entry
+        in ``found``, else what is there (uncommitted or unreadable, or None when nothing is)."""
+        try:
+            pointer = read_latest(self.storage, self.root)
+        except (CheckpointError, OSError, ValueError, TypeError):
+            return None, None
+        if pointer is None:
+            return None, None
+        head = next((c for c in found if c.name == pointer.name), None)
+        if head is None:
+            head = self.listing.catalog.one(self.root, pointer.name, details=False)
+        return pointer, head
+
+    def _repair_head(self, name: str) -> bool:
+        """Rank 0: what ``bcp.load`` does for the checkpoint ``latest`` names when it is not
+        there: put back the one an overwrite that crashed between its two renames moved aside
+        (``.<name>.replaced-<id>``). Whether it is back in place."""
+        target = posixpath.join(self.root, name)
+        try:
+            return repair(self.storage, target) == target
+        except (CheckpointError, OSError) as exc:
+            log.warning("%s: could not repair %s: %s", self.url, name, exc)
+            return False
+
+    def _unloadable_head(self, pointer: Latest, head: CheckpointInfo | None,
+                         found: list[CheckpointInfo]) -> CheckpointError:
+        """The error naming the checkpoint ``latest`` names, why it cannot be loaded, what to do."""
+        steps = [c.step for c in found if c.problem is None and c.step is not None]
+        older = [s for s in steps if pointer.step is None or s < pointer.step]
+        named = f"{pointer.name}" + (f" (step {pointer.step})" if pointer.step is not None else "")
+        then = (f"; to resume from an older checkpoint instead, restore(state, step=N) with one of "
+                f"the steps here ({', '.join(map(str, older))}): the next save then starts a new "
+                "timeline from it" if older else "")
+        if head is None or (not head.committed and head.problem is None):
+            return NotACheckpointError(
+                f"{self.url}: 'latest' names {named}, which holds no committed checkpoint (it was "
+                f"deleted or moved, or its save never committed); nothing was restored{then}")
+        return CorruptCheckpointError(
+            f"{self.url}: 'latest' names {named}, which cannot be loaded: {_why(head)}; nothing "
+            f"was restored (bcp verify {head.url} says more){then}")
 
     def _choose(self, step: int | None) -> tuple[str | None, int | None, Timeline]:
         """Rank 0: the checkpoint to restore and the timeline the run continues on."""
         found = self.listing.list(details=False)
+        pointer, head = self._head(found)
         live = [c for c in found if not c.abandoned and c.problem is None]
+        if step is None and pointer is not None:
+            # Exactly the checkpoint 'latest' names, never an older one in its place.
+            if not _loadable(head) and self._repair_head(pointer.name):
+                found = self.listing.list(details=False)
+                pointer, head = self._head(found)
+                live = [c for c in found if not c.abandoned and c.problem is None]
+            if pointer is not None:
+                if not _loadable(head):
+                    raise self._unloadable_head(pointer, head, found)
+                assert head is not None
+                return head.name, head.step, head.timeline  # resuming where the live timeline ends
         if step is None:
             if not live:
                 if found:
                     raise NotACheckpointError(f"{self.url}: no checkpoint here can be restored ("
                                               f"{found[-1].name}: {found[-1].problem})")
                 return None, None, Timeline(uuid.uuid4().hex[:16])
-            pick = next((c for c in live if c.latest), live[-1])
+            pick = live[-1]  # no 'latest' pointer: the newest checkpoint
         else:
             same = [c for c in found if c.step == step and c.problem is None]
             if not same:
@@ -345,8 +469,10 @@ class CheckpointManager:
                 raise NotACheckpointError(
                     f"{self.url} holds no committed checkpoint of step {step}; the steps it holds: {have}")
             pick = next((c for c in same if not c.abandoned), same[-1])
-        newest_live = next((c for c in live if c.latest), live[-1] if live else None)
-        if newest_live is not None and pick.name == newest_live.name:
+        # Where the live timeline ends: what 'latest' names (even a checkpoint that cannot be
+        # loaded: restoring another one branches from it), else the newest live checkpoint.
+        end = pointer.name if pointer is not None else (live[-1].name if live else None)
+        if end is not None and pick.name == end:
             return pick.name, pick.step, pick.timeline  # resuming where the live timeline ends
         return pick.name, pick.step, pick.timeline.branch(pick.step or 0, uuid.uuid4().hex[:16])
 
@@ -354,7 +480,12 @@ class CheckpointManager:
         """Load the checkpoint ``latest`` names (or the one of ``step``) into ``state``; return its
         step, or None on a fresh start (nothing saved yet: ``state`` is left as it is). Restoring
         any checkpoint but the latest starts a new timeline from it: the next save becomes
-        ``latest`` even at a lower step, and the checkpoints after it are abandoned (kept)."""
+        ``latest`` even at a lower step, and the checkpoints after it are abandoned (kept).
+
+        Where ``latest`` names a checkpoint that is missing or cannot be loaded, what
+        ``bcp.load`` repairs is repaired first (an overwrite that crashed part-way); otherwise
+        :class:`NotACheckpointError` or :class:`CorruptCheckpointError` names it, and nothing is
+        loaded: an older checkpoint is restored only when asked for by ``step``."""
         self._check_open()
         step = check_step(step)
         self.wait()
