@@ -64,9 +64,13 @@ class Journal:
             with open(self.path, "rb") as f:
                 for raw in f:
                     try:
-                        yield json.loads(raw)
+                        record = json.loads(raw)
                     except ValueError:
                         continue  # torn tail of a crashed append
+                    # The journal is a file like any other: a line that is not one of our
+                    # records is skipped, never a KeyError in the next pass.
+                    if isinstance(record, dict) and isinstance(record.get("id"), str):
+                        yield record
         except FileNotFoundError:
             return
 

@@ -345,3 +345,15 @@ def test_a_deletion_cut_short_after_its_rename_is_finished_but_never_takes_forei
     assert sorted(os.listdir(f"{hot}/run")) == ["latest", "step_2", "step_3"]
     assert Path(f"{hot}/run/step_2/NOTES.txt").read_text() == "mine"
     _loads_as(f"{hot}/run/step_2", 2)
+
+
+def test_journal_lines_that_are_not_records_are_skipped(tmp_path):
+    """A journal line that is JSON but not one of our records (a list, a string, no id, a
+    numeric id) was a KeyError or a TypeError in every later pass."""
+    from bytecheckpoint.manage.journal import Journal
+
+    journal = Journal(str(tmp_path))
+    journal.append("aaaaaaaaaaaa", "delete", "begin", trash="x")
+    with open(journal.path, "ab") as f:
+        f.write(b'[1,2]\n"text"\n{"op":"delete","state":"begin"}\n{"id":5,"state":"begin"}\n{"id":"b\n')
+    assert [r["id"] for r in journal.unfinished()] == ["aaaaaaaaaaaa"]
