@@ -204,10 +204,11 @@ def translate(storage: Storage, root: str, dcp: DcpMetadata, *, source: str
     world_size = min(1 << 24, max(ranks, default=0) + 1)
 
     # Tensors: each chunk's raw bytes inside its torch.save blob, located in parallel.
+    optim_tops = _optimizer_tops(dcp)
     tensors: list[tuple[str, DcpTensor]] = []
     for fqn, t in dcp.tensors.items():
         path = _path_of(dcp, fqn)
-        key = _tensor_key(path)
+        key = _tensor_key(path, optim_tops)
         if key is None:
             skipped.append(f"{fqn} (a name bytecheckpoint cannot key)")
             continue
@@ -298,18 +299,32 @@ def _file_sizes(storage: Storage, root: str, files: list[str], source: str) -> d
     return sizes
 
 
-def _tensor_key(path: tuple[str | int, ...]) -> str | None:
+def _optimizer_tops(dcp: DcpMetadata) -> set[str]:
+    """The top-level groups that are optimizer state dicts: those with ``param_groups``
+    entries (plain values: hyperparameters), nested or flattened. Only there do ``state.*``
+    keys name optimizer state; a model may have a submodule named ``state``."""
+    tops = set()
+    for fqn in dcp.objects:
+        path = _path_of(dcp, fqn)
+        if len(path) >= 2 and type(path[0]) is str and type(path[1]) is str and (
+                path[1] == "param_groups" or path[1].startswith("param_groups.")):
+            tops.add(path[0])
+    return tops
+
+
+def _tensor_key(path: tuple[str | int, ...], optim_tops: set[str]) -> str | None:
     if len(path) == 1:  # a bare model state dict (torchtitan's model-only last step)
         rest = _plain_key(path)
         return None if rest is None else f"model/{rest}"
     top, rest = path[0], path[1:]
     if type(top) is not str or "/" in top:
         return None
-    if len(rest) == 3 and rest[0] == "state":  # get_state_dict's nested optimizer state
+    optimizer = top in optim_tops
+    if optimizer and len(rest) == 3 and rest[0] == "state":  # get_state_dict's nested optimizer state
         fqn, name = _plain_key(rest[1:2]), _plain_key(rest[2:3])
         return None if fqn is None or name is None else f"{top}/state/{fqn}/{name}"
     flat = len(rest) == 1 and isinstance(rest[0], str)
-    if flat and rest[0].startswith("state.") and rest[0].count(".") >= 2:
+    if optimizer and flat and rest[0].startswith("state.") and rest[0].count(".") >= 2:
         fqn, _, name = rest[0][len("state."):].rpartition(".")  # flatten_optimizer_state_dict
         return None if "/" in rest[0] else f"{top}/state/{fqn}/{name}"
     joined = _plain_key(rest)
@@ -325,7 +340,10 @@ def _translate_objects(storage: Storage, root: str, dcp: DcpMetadata, world_size
     groups: dict[tuple[str, int], dict[str, Any]] = {}  # (top, group index) -> hparams + params
     per_fqn: dict[tuple[str, str], dict[str, Any]] = {}  # flattened: (top, fqn) -> hparams
     nested: dict[str, list[tuple[tuple[str | int, ...], Any]]] = {}
+    # A model entry whose value DCP flattened (a dict ``get_extra_state()``): (top, key) -> leaves
+    entry_leaves: dict[tuple[str, str], list[tuple[tuple[str | int, ...], Any]]] = {}
     tops_with_tensors = {k.split("/", 1)[0] for k in tensor_keys}
+    optim_tops = _optimizer_tops(dcp)
     for fqn, b in sorted(dcp.objects.items()):
         value = _decode(storage, root, b, fqn, skipped, source)
         if value is _SKIP:
@@ -340,14 +358,26 @@ def _translate_objects(storage: Storage, root: str, dcp: DcpMetadata, world_size
             pfqn, _, hp = rest[0][len("param_groups."):].rpartition(".")
             if pfqn and hp != "params":
                 per_fqn.setdefault((top, pfqn), {})[hp] = value
+        elif top in tops_with_tensors and top not in optim_tops and rest and type(rest[0]) is str:
+            # A state-dict entry (a module's ``_extra_state``), or one leaf of it when DCP
+            # flattened its dict value: the value is rebuilt below.
+            entry_leaves.setdefault((top, rest[0]), []).append((rest[1:], value))
         elif top in tops_with_tensors and rest:
             key = _plain_key(rest)
             if key is None:
                 skipped.append(f"{fqn} (a name bytecheckpoint cannot key)")
             else:
-                out.add(f"{top}/{key}", None, value)  # e.g. a module's _extra_state
+                out.add(f"{top}/{key}", None, value)
         else:
             nested.setdefault(top, []).append((rest, value))
+    for (top, entry), leaves in sorted(entry_leaves.items()):
+        key = _plain_key((entry,))
+        if key is None:
+            skipped.append(f"{top}.{entry} (a name bytecheckpoint cannot key)")
+        elif any(not path for path, _ in leaves) and len(leaves) > 1:
+            skipped.append(f"{top}.{entry} (both a value and a dict of values)")
+        else:
+            out.add(f"{top}/{key}", None, _rebuild(leaves))  # e.g. a module's _extra_state
     for (top, index), hparams in sorted(groups.items()):
         params = hparams.pop("params", None)
         if not isinstance(params, list) or not all(isinstance(p, str) for p in params):

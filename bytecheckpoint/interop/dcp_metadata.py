@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..format.checks import MAX_BYTES, MAX_NDIM
 from ..format.dtypes import DTYPE_NAMES
-from .safe_pickle import Record, record_class, safe_loads
+from .safe_pickle import Record, record_class, safe_loads, short
 
 DCP_METADATA_FILE = ".metadata"
 # DCP names its files ``__<rank>_<n>.distcp``; any plain name is accepted, none that climbs out.
@@ -120,7 +120,8 @@ def parse_dcp_metadata(data: bytes, *, source: str) -> DcpMetadata:
     except (CorruptCheckpointError, UnsafeCheckpointError):
         raise
     except Exception as exc:  # a shape of document the checks did not foresee
-        raise DcpFormatError(f"{source}: malformed DCP metadata ({exc!r})") from exc
+        raise DcpFormatError(f"{source}: malformed DCP metadata ({type(exc).__name__}: "
+                             f"{short(str(exc), 160)})") from exc
 
 
 def _bad(source: str, what: str) -> DcpFormatError:
@@ -237,6 +238,4 @@ def _tensor(fqn: str, entry: Record, where: dict, source: str) -> DcpTensor:
     return DcpTensor(fqn, str(dtype), shape, tuple(chunks))
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
+_short = short  # bounded in time and length, whatever the value's size or sharing

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,6 +20,9 @@ from ..errors import UnsafeCheckpointError
 
 # A pickle larger than this is not metadata anyone writes; refuse before reading it.
 MAX_PICKLE_BYTES = 1 << 30
+# The most elements a plain value may unfold to, counting a shared reference once per use (as
+# every later reader walks it): a pickle of a few hundred bytes can share its way to 2**40.
+MAX_PLAIN_NODES = 1_000_000
 
 
 class UnsafePickleError(UnsafeCheckpointError):
@@ -56,7 +60,7 @@ class Record:
         return default
 
     def __repr__(self) -> str:
-        return f"<{self.qualname} args={self.args!r} state={self.state!r}>"
+        return short(self)
 
 
 def record_class(qualname: str) -> type[Record]:
@@ -129,19 +133,74 @@ def plain_globals() -> dict[str, Any]:
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
 
 
-def is_plain(value: Any, depth: int = 0) -> bool:
-    """True for None/bool/int/float/str/bytes and lists, tuples and str/int-keyed dicts of them."""
-    if depth > 64:
-        return False
-    if isinstance(value, _PLAIN_TYPES):
-        return True
-    if isinstance(value, list | tuple):
-        return all(is_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str | int) and is_plain(v, depth + 1) for k, v in value.items())
-    return False
+class PlainValueTooLargeError(UnsafeCheckpointError):
+    """An unpickled value that unfolds to more than ``MAX_PLAIN_NODES`` elements (shared or
+    cyclic references counted once per use): no reader could walk it in bounded time."""
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
+def is_plain(value: Any, *, budget: int = MAX_PLAIN_NODES) -> bool:
+    """True for None/bool/int/float/str/bytes and lists, tuples and str/int-keyed dicts of them,
+    at most 64 levels deep. Raises :class:`PlainValueTooLargeError` past ``budget`` elements."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    seen = 0
+    while stack:
+        item, depth = stack.pop()
+        seen += 1
+        if seen > budget:
+            raise PlainValueTooLargeError(
+                f"the value unfolds to over {budget} elements (shared references such as "
+                "x = [x, x] count once per use): too large; save it without shared references")
+        if depth > 64:
+            return False
+        if isinstance(item, _PLAIN_TYPES):
+            continue
+        if isinstance(item, list | tuple):
+            stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, dict):
+            if not all(isinstance(k, str | int) for k in item):
+                return False
+            stack.extend((v, depth + 1) for v in item.values())
+        else:
+            return False
+    return True
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr (a few levels, a few items each), through Records too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = self.maxfrozenset = 4
+        self.maxdeque = self.maxarray = 4
+        self.maxstring = self.maxother = self.maxlong = 60
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        if isinstance(x, Record):
+            if level <= 0:
+                return f"<{x.qualname} ...>"
+            return (f"<{x.qualname} args={self.repr1(getattr(x, 'args', ()), level - 1)} "
+                    f"state={self.repr1(getattr(x, 'state', None), level - 1)}>")
+        if isinstance(x, str | bytes | bytearray):  # subclasses (tokens): bounded like str
+            return self.repr_str(str(x) if isinstance(x, str) else bytes(x[:200]), level)
+        return super().repr_instance(x, level)
+
+    def repr_bytes(self, x: bytes, level: int) -> str:
+        text = repr(x[: self.maxstring])
+        return text if len(x) <= self.maxstring else f"{text}..."
+
+
+_SHORT = _ShortRepr()
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """A repr of ``value`` of at most ``limit`` characters, in time bounded whatever its size or
+    sharing (a full repr of a shared structure x = [x, x] nested 40 deep never ends)."""
+    try:
+        text = _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 (a repr must not fail an error message)
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+_short = short

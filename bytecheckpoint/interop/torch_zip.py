@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import DTYPE_NAMES
 from ..storage import Storage
-from .safe_pickle import is_plain, plain_globals, safe_loads
+from .safe_pickle import PlainValueTooLargeError, is_plain, plain_globals, safe_loads, short
 
 _BLOCK = 4096  # the head (data.pkl) and tail (zip directory) of a blob: read once each
 MAX_PICKLE = 16 << 20  # a data.pkl larger than this is no plain value or tensor header
@@ -167,23 +167,40 @@ class _StorageRef:
 
 
 class _TensorRef:
-    def __init__(self, args: tuple[Any, ...]) -> None:
+    def __init__(self, args: tuple[Any, ...], version: int) -> None:
         self.args = args
+        self.version = version  # 2: a typed storage; 3: untyped storage, the dtype in args[6]
 
 
 class _StorageType(str):
     pass
 
 
+class _Dtype(str):
+    """A dtype the pickle names (``torch.float8_e4m3fn``): its bytecheckpoint name."""
+
+
+# torch.storage.UntypedStorage: the storage of _rebuild_tensor_v3 (dtypes without a legacy
+# storage class: float8, uint16/32/64), its element count in bytes.
+_UNTYPED = _StorageType("untyped")
+
+
 def _tensor_globals() -> dict[str, Any]:
     out = plain_globals()
 
-    def rebuild(*args: Any) -> _TensorRef:
-        return _TensorRef(args)
+    def rebuild_v2(*args: Any) -> _TensorRef:
+        return _TensorRef(args, 2)
 
-    out["torch._utils._rebuild_tensor_v2"] = rebuild
+    def rebuild_v3(*args: Any) -> _TensorRef:
+        return _TensorRef(args, 3)
+
+    out["torch._utils._rebuild_tensor_v2"] = rebuild_v2
+    out["torch._utils._rebuild_tensor_v3"] = rebuild_v3
     for name, dtype in _STORAGE_DTYPES.items():
         out[f"torch.{name}"] = _StorageType(dtype)
+    out["torch.storage.UntypedStorage"] = _UNTYPED
+    for name in DTYPE_NAMES:
+        out[f"torch.{name}"] = _Dtype(name)
     return out
 
 
@@ -193,7 +210,7 @@ def _persistent(source: str) -> Any:
                 and isinstance(pid[1], _StorageType) and type(pid[2]) is str and type(pid[4]) is int
                 and pid[4] >= 0):
             return _StorageRef(str(pid[1]), pid[2], pid[4])
-        raise TorchBlobError(f"{source}: the tensor refers to storage {pid!r:.80}, not one torch.save "
+        raise TorchBlobError(f"{source}: the tensor refers to storage {short(pid)}, not one torch.save "
                              "writes for a plain tensor")
     return load
 
@@ -292,9 +309,19 @@ def locate_tensor(storage: Storage, path: str, start: int, length: int, *, sourc
     st, offset, shape, stride = ref.args[:4]
     if not (type(offset) is int and offset >= 0 and isinstance(shape, tuple) and isinstance(stride, tuple)
             and len(shape) == len(stride) and all(type(v) is int and v >= 0 for v in (*shape, *stride))):
-        raise TorchBlobError(f"{source}: malformed tensor header {ref.args[1:4]!r:.120}")
-    if st.dtype not in DTYPE_NAMES:
-        raise TorchBlobError(f"{source}: storage dtype {st.dtype!r} is not stored by bytecheckpoint")
+        raise TorchBlobError(f"{source}: malformed tensor header {short(ref.args[1:4], 120)}")
+    if ref.version == 3:  # untyped storage (its size in bytes), the dtype an argument
+        dtype = ref.args[6] if len(ref.args) >= 7 else None
+        if st.dtype != _UNTYPED or not isinstance(dtype, _Dtype) or str(dtype) not in DTYPE_NAMES:
+            raise TorchBlobError(f"{source}: malformed tensor header (_rebuild_tensor_v3 of a "
+                                 f"{st.dtype} storage, dtype {short(dtype)})")
+        dtype = str(dtype)
+        storage_bytes = st.numel
+    else:
+        if st.dtype not in DTYPE_NAMES:
+            raise TorchBlobError(f"{source}: storage dtype {short(st.dtype)} is not stored by bytecheckpoint")
+        dtype = st.dtype
+        storage_bytes = st.numel * _itemsize(dtype)
     numel = math.prod(shape)
     expect, acc = [], 1
     for d in reversed(shape):
@@ -304,12 +331,12 @@ def locate_tensor(storage: Storage, path: str, start: int, length: int, *, sourc
     if numel and any(s != e for s, e, d in zip(stride, expect, shape) if d > 1):
         raise TorchBlobError(f"{source}: the tensor is stored with strides {stride} for shape {shape} "
                              "(not row-major); load it with torch.distributed.checkpoint instead")
-    item = _itemsize(st.dtype)
+    item = _itemsize(dtype)
     rec_start, rec_size = blob.data_range(blob.record(f"data/{st.key}"))
-    if rec_size != st.numel * item or offset + numel > st.numel:
+    if rec_size != storage_bytes or (offset + numel) * item > storage_bytes:
         raise TorchBlobError(f"{source}: the tensor's storage record holds {rec_size} bytes, not the "
-                             f"{st.numel} x {item} its header declares, or the tensor lies outside it")
-    return TensorLocation(st.dtype, tuple(shape), start + rec_start + offset * item, numel * item)
+                             f"{storage_bytes} its header declares, or the tensor lies outside it")
+    return TensorLocation(dtype, tuple(shape), start + rec_start + offset * item, numel * item)
 
 
 def read_plain_value(storage: Storage, path: str, start: int, length: int, *, source: str) -> Any:
@@ -318,7 +345,11 @@ def read_plain_value(storage: Storage, path: str, start: int, length: int, *, so
     or a tensor to rebuild raises :class:`UnsafePickleError` / :class:`TorchBlobError`."""
     blob = _Blob(storage, path, start, length, source)
     value = safe_loads(blob.read("data.pkl", MAX_PICKLE), plain_globals(), source=source)
-    if not is_plain(value):
+    try:
+        plain = is_plain(value)
+    except PlainValueTooLargeError as exc:
+        raise TorchBlobError(f"{source}: {exc}") from None
+    if not plain:
         raise TorchBlobError(f"{source}: the value is a {type(value).__name__}, not a plain value")
     return value
 

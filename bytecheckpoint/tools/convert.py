@@ -21,6 +21,7 @@ import os
 import pickle
 import posixpath
 import shutil
+import stat
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -401,19 +402,78 @@ def _check_apart(src: str, dst: str) -> None:
 
 
 def _check_dst_dir(dst: str, overwrite: bool) -> str:
+    """The local path of ``--to dcp``'s DST, refused unless it is absent, an empty directory or
+    (with ``overwrite``) a checkpoint with nothing else in it: replacing it deletes it whole."""
     scheme, local = split_url(dst)
     if scheme != "file":
         raise ConvertError(f"{dst}: --to dcp writes a local directory (DCP's FileSystemWriter)")
     local = os.path.abspath(local)
     if os.path.lexists(local):
-        is_ckpt = os.path.isdir(local) and (not os.listdir(local) or any(
-            os.path.exists(os.path.join(local, n)) for n in (".metadata", METADATA_FILE)))
-        if not is_ckpt:
-            raise NotACheckpointError(f"{dst} exists and is not a checkpoint; convert refuses to replace "
-                                      "it: choose another DST")
+        _check_replaceable(dst, local, overwrite)
+    return local
+
+
+def _check_replaceable(dst: str, local: str, overwrite: bool) -> None:
+    """Raise unless ``local`` is an empty directory or a checkpoint that ``overwrite`` may
+    replace: a DCP checkpoint (``.metadata`` and ``*.distcp`` files) or a bytecheckpoint one (the
+    files its metadata names, as ``save(overwrite=True)`` decides), with nothing else in it."""
+    from ..commit.protocol import checkpoint_files
+    from ..interop.dcp_metadata import DCP_METADATA_FILE
+
+    if os.path.islink(local) or not os.path.isdir(local):
+        what = "a symbolic link" if os.path.islink(local) else "not a directory"
+        raise NotACheckpointError(f"{dst} exists and is {what}, not a checkpoint; convert refuses to "
+                                  "replace it: choose another DST")
+    names = os.listdir(local)
+    if not names:
         if not overwrite:
             raise CheckpointExistsError(f"{dst} already exists (pass --overwrite to replace it)")
-    return local
+        return
+    allowed: set[str] = set()
+    if DCP_METADATA_FILE in names:
+        allowed |= {DCP_METADATA_FILE, *(n for n in names if n.endswith(".distcp"))}
+    if METADATA_FILE in names:
+        storage, path = open_storage(local)
+        allowed |= checkpoint_files(storage, path) or set()  # NotACheckpointError: not ours
+    if not allowed:
+        raise NotACheckpointError(f"{dst} exists and is not a checkpoint; convert refuses to replace "
+                                  "it: choose another DST")
+    if not overwrite:
+        raise CheckpointExistsError(f"{dst} already exists (pass --overwrite to replace it)")
+    extra = sorted(n for n in names if n not in allowed or not _plain_file(os.path.join(local, n)))
+    if extra:
+        shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5
+                                                         else "")
+        raise NotACheckpointError(
+            f"{dst} holds a checkpoint and also {shown}, which are not part of it; --overwrite "
+            "replaces only a checkpoint with nothing else in it (the whole directory is replaced), "
+            "so nothing was changed. Move those out, or choose another DST")
+
+
+def _plain_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _replace_dir(tmp: str, local: str, dst: str, overwrite: bool) -> None:
+    """Move the finished ``tmp`` to ``local``. An old DST is checked again (files may have
+    been added meanwhile), renamed aside, the new one renamed in, then the old one deleted: a
+    crash leaves the old or the new checkpoint at DST, or both beside it (``DST.replaced-*``
+    is the old one, ``DST.convert-*`` the new one)."""
+    if not os.path.lexists(local):
+        os.rename(tmp, local)  # fails, rather than replacing, should a DST appear meanwhile
+        return
+    _check_replaceable(dst, local, overwrite)
+    aside = f"{local}.replaced-{uuid.uuid4().hex[:8]}"
+    os.rename(local, aside)
+    try:
+        os.rename(tmp, local)
+    except BaseException:
+        os.rename(aside, local)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
@@ -487,9 +547,7 @@ def to_dcp(src: str, dst: str, *, max_memory: int, overwrite: bool = False,
             f.flush()
             os.fsync(f.fileno())
         os.replace(os.path.join(tmp, ".metadata.tmp"), os.path.join(tmp, ".metadata"))
-        if os.path.lexists(local):
-            shutil.rmtree(local)
-        os.replace(tmp, local)
+        _replace_dir(tmp, local, dst, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -150,6 +150,10 @@ class ExportResult:
 Progress = Callable[[str, int], None]  # (description, bytes done in this call)
 
 
+# Dtypes bytecheckpoint stores that safetensors has no code for (it has C64, not C128).
+_NO_SAFETENSORS = frozenset({torch.complex128})
+
+
 def _items(meta: CheckpointMetadata, group: str, names: NameMap, dtype: torch.dtype | None,
            kind: str) -> list[ExportItem]:
     out: list[ExportItem] = []
@@ -174,6 +178,11 @@ def _items(meta: CheckpointMetadata, group: str, names: NameMap, dtype: torch.dt
         seen[name] = t.key
         src = dtype_from_name(t.dtype)
         out_dtype = dtype if (dtype is not None and src.is_floating_point) else src
+        if out_dtype in _NO_SAFETENSORS:
+            raise ExportError(f"{t.key} is a {str(out_dtype).replace('torch.', '')} tensor, which "
+                              "safetensors cannot hold (it has no such dtype); nothing was written. "
+                              "Export a checkpoint without it, or convert the tensor first (e.g. "
+                              "torch.view_as_real, then save and export)")
         out.append(ExportItem(t.key, name, t, out_dtype))
     return out
 

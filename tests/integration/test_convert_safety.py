@@ -1,0 +1,92 @@
+"""``bcp convert --to dcp --overwrite`` replaces only a checkpoint: a DST that also holds the
+user's own files is refused by name with nothing changed, and a plain overwrite replaces the
+old checkpoint by renaming it aside (nothing left beside DST afterwards)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import bytecheckpoint as bcp
+from bytecheckpoint.errors import CheckpointExistsError, NotACheckpointError
+from bytecheckpoint.tools import convert
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(2, 2)
+
+
+def _listing(root) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.fixture
+def src(tmp_path):
+    path = str(tmp_path / "src")
+    bcp.save(path, {"model": _model(1)}, framework="single")
+    return path
+
+
+def _dcp_dst(tmp_path) -> str:
+    dst = str(tmp_path / "dst")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": _model(0).state_dict()}, checkpoint_id=dst, no_dist=True)
+    return dst
+
+
+def _load_dcp(dst: str) -> dict[str, torch.Tensor]:
+    out = {"model": {k: torch.zeros_like(v) for k, v in _model(0).state_dict().items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(out, checkpoint_id=dst, no_dist=True)
+    return out["model"]
+
+
+def test_overwrite_keeps_user_files_of_a_dcp_dst(tmp_path, src):
+    dst = _dcp_dst(tmp_path)
+    os.makedirs(os.path.join(dst, "eval_results"))
+    with open(os.path.join(dst, "eval_results", "scores.json"), "w") as f:
+        f.write("{}")
+    with open(os.path.join(dst, "NOTES.md"), "w") as f:
+        f.write("do not lose")
+    before = _listing(dst)
+    with pytest.raises(NotACheckpointError, match=r"'NOTES.md', 'eval_results'.*Move those out"):
+        convert.to_dcp(src, dst, max_memory=1 << 20, overwrite=True)
+    assert _listing(dst) == before
+    assert open(os.path.join(dst, "NOTES.md")).read() == "do not lose"
+    assert sorted(set(os.listdir(tmp_path)) - {"latest"}) == ["dst", "src"]  # no leftover temporary directory
+
+
+def test_overwrite_keeps_user_files_of_a_bcp_dst(tmp_path, src):
+    dst = str(tmp_path / "dst")
+    bcp.save(dst, {"model": _model(0)}, framework="single")
+    with open(os.path.join(dst, "NOTES.md"), "w") as f:
+        f.write("do not lose")
+    with pytest.raises(NotACheckpointError, match="NOTES.md"):
+        convert.to_dcp(src, dst, max_memory=1 << 20, overwrite=True)
+    assert open(os.path.join(dst, "NOTES.md")).read() == "do not lose"
+
+
+def test_plain_overwrite_replaces_a_dcp_checkpoint(tmp_path, src):
+    dst = _dcp_dst(tmp_path)
+    with pytest.raises(CheckpointExistsError):
+        convert.to_dcp(src, dst, max_memory=1 << 20)
+    assert torch.equal(_load_dcp(dst)["weight"], _model(0).weight)
+    convert.to_dcp(src, dst, max_memory=1 << 20, overwrite=True)
+    assert torch.equal(_load_dcp(dst)["weight"], _model(1).weight)
+    # the old one was renamed aside, then deleted
+    assert sorted(set(os.listdir(tmp_path)) - {"latest"}) == ["dst", "src"]
+
+
+def test_plain_overwrite_replaces_a_bcp_checkpoint(tmp_path, src):
+    dst = str(tmp_path / "dst")
+    bcp.save(dst, {"model": _model(0)}, framework="single")
+    convert.to_dcp(src, dst, max_memory=1 << 20, overwrite=True)
+    assert torch.equal(_load_dcp(dst)["weight"], _model(1).weight)
