@@ -137,7 +137,7 @@ class BytecheckpointIO(CheckpointIO):
                 f"refusing to remove {path}: it is not a committed bytecheckpoint checkpoint (no "
                 f"{_METADATA_FILE}); remove it by hand if it is yours")
         try:
-            delete_on_storage(storage, found)
+            delete_on_storage(storage, found, requested=True)
         except DeletionRefusedError as exc:
             warnings.warn(f"Lightning asked to remove {path}; kept: {exc}", RuntimeWarning, stacklevel=2)
 

@@ -172,7 +172,8 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
     return Deleted(path, done.cold_files, done.bytes_freed)
 
 
-def delete_on_storage(storage: Storage, ckpt: CheckpointInfo, *, cold_in_place: bool = False) -> None:
+def delete_on_storage(storage: Storage, ckpt: CheckpointInfo, *, cold_in_place: bool = False,
+                      requested: bool = False) -> None:
     """Delete a checkpoint through the storage layer, on any backend (the manager's retention,
     ``bcp gc`` on an object store, HDFS tiering): under its path's save lock, checked again
     under it (pins, leases, ``latest``, a new save at the path since the decision, entries
@@ -180,6 +181,8 @@ def delete_on_storage(storage: Storage, ckpt: CheckpointInfo, *, cold_in_place: 
     then the rest. A cooled checkpoint (files that are links into a cold tier) is refused:
     only :func:`delete_checkpoint`, given the cold root, removes its cold copies with it;
     ``cold_in_place``: its cold files are its own, at its path (an HDFS storage policy).
+    ``requested``: this very checkpoint was asked for by name (Lightning's ``save_top_k``), not
+    chosen by a retention policy, so being named by ``latest`` does not keep it.
     Raises DeletionRefusedError when kept."""
     if ckpt.cold_files and not cold_in_place:
         raise DeletionRefusedError(
@@ -193,7 +196,7 @@ def delete_on_storage(storage: Storage, ckpt: CheckpointInfo, *, cold_in_place: 
         if is_pinned(storage, path) or is_being_read(storage, path):
             raise DeletionRefusedError(f"{ckpt.url}: pinned or being read since the decision; kept")
         _refuse_if_changed(ckpt.url, ckpt, metadata_identity(storage, path))
-        if _names_latest(storage, path):
+        if not requested and _names_latest(storage, path):
             raise DeletionRefusedError(f"{ckpt.url}: named by latest since the decision; kept")
         if ckpt.files:
             _refuse_if_foreign(ckpt.url, sorted(set(storage.list_dir(path)) - set(ckpt.files)))
