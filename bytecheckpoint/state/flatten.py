@@ -316,21 +316,33 @@ def _saved_group(key: str, fqns: list[str], shared: dict[str, Any]) -> dict[str,
     return first
 
 
-def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+def _leaves(value: Any, path: tuple[Any, ...] = (), whole: Callable[[tuple[Any, ...]], bool] | None = None
+            ) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """``(path, leaf)`` of a nested state; a path holds the containers' own keys and indexes
-    (an int key stays an int, so a load puts the value back under it)."""
-    if isinstance(value, Mapping):
+    (an int key stays an int, so a load puts the value back under it). ``whole(path)``: the
+    value there is one leaf, whatever it holds."""
+    if whole is not None and path and whole(path):
+        yield path, value
+    elif isinstance(value, Mapping):
         for k, v in value.items():
-            yield from _leaves(v, (*path, k))
+            yield from _leaves(v, (*path, k), whole)
     elif isinstance(value, list | tuple) and value and all(_is_shard(v) for v in value):
         for v in value:  # several pieces of one tensor under one key
             yield path, v
     elif isinstance(value, list | tuple) and any(isinstance(v, Mapping | list | tuple) or _is_shard(v)
                                                 for v in value):
         for i, v in enumerate(value):
-            yield from _leaves(v, (*path, i))
+            yield from _leaves(v, (*path, i), whole)
     else:
         yield path, value
+
+
+def _is_extra_state(path: tuple[Any, ...]) -> bool:
+    """A module's ``get_extra_state()`` entry of a model state dict: one value, as the module
+    itself saves it (``model/_extra_state``), whatever it holds (TransformerEngine: a dict)."""
+    last = path[-1]
+    return len(path) == 1 and isinstance(last, str) and (
+        last == "_extra_state" or last.endswith("._extra_state"))
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
@@ -433,7 +445,7 @@ def _flatten_tensor_dict(key: str, value: MutableMapping[str, Any], flat: FlatSt
     flat.kinds[key] = KIND_OPTIM if "optim" in key else KIND_MODEL
     plain: dict[str, tuple[Any, ...]] = {}
     names = _Names(key)
-    for path, leaf in _leaves(value):
+    for path, leaf in _leaves(value, whole=_is_extra_state):
         name = names.claim(f"{key}/{clean_fqn(_dotted(path))}", path)
         if isinstance(leaf, torch.Tensor):
             flat.tensors[name] = leaf

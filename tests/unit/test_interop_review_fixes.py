@@ -154,6 +154,22 @@ def test_dict_extra_state_loads_from_dcp(tmp_path):
         assert all(torch.equal(s1[p][n], s2[p][n]) for p in s1 for n in s1[p])
 
 
+def test_dict_extra_state_loads_into_a_state_dict_target(tmp_path):
+    """DCP's own idiom, a load into ``model.state_dict()``: the module's dict extra state is
+    one entry there (``_extra_state``), as in a checkpoint saved from the module or by DCP."""
+    torch.manual_seed(0)
+    src = _Extra()
+    src.x = {"scale": 2.25, "hist": [4, 5], "name": "e5m2"}
+    _dcp_save({"model": src.state_dict()}, str(tmp_path / "dcp"))
+    bcp.save(str(tmp_path / "bcp"), {"model": src})
+    for path in ("dcp", "bcp"):
+        dst = _Extra()
+        target = dst.state_dict()
+        bcp.load(str(tmp_path / path), {"model": target})
+        assert target["_extra_state"] == src.x, path
+        assert torch.equal(dst.a.weight, src.a.weight), path  # filled in place
+
+
 class _StateNamed(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
