@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
+import os
 import sys
 from typing import Any
 
@@ -36,3 +38,23 @@ def function(name: str, argtypes: list[Any], restype: Any) -> Any | None:
     fn.argtypes = argtypes
     fn.restype = restype
     return fn
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap the directory entries ``a`` and ``b`` in one step (``renameat2(RENAME_EXCHANGE)``):
+    at every moment each path names one of the two. False where the C library or the file
+    system cannot (the caller then renames in two steps); raises OSError for anything else."""
+    fn = function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                ctypes.c_uint], ctypes.c_int)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)

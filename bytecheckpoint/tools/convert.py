@@ -51,6 +51,7 @@ from ..format.metadata import (
     TensorMeta,
 )
 from ..storage import Storage, open_storage, split_url
+from ..storage.libc import exchange
 from .export import ExportError
 from .mapped_pages import MappedFile
 
@@ -459,13 +460,18 @@ def _plain_file(path: str) -> bool:
 
 def _replace_dir(tmp: str, local: str, dst: str, overwrite: bool) -> None:
     """Move the finished ``tmp`` to ``local``. An old DST is checked again (files may have
-    been added meanwhile), renamed aside, the new one renamed in, then the old one deleted: a
-    crash leaves the old or the new checkpoint at DST, or both beside it (``DST.replaced-*``
-    is the old one, ``DST.convert-*`` the new one)."""
+    been added meanwhile), then swapped with the new one in one step where the file system
+    can (``renameat2``), so DST always holds the old or the new checkpoint; elsewhere it is
+    renamed aside and the new one renamed in, and a crash between the two leaves both beside
+    DST (``DST.replaced-*`` the old one, ``DST.convert-*`` the new one). The old one is then
+    deleted."""
     if not os.path.lexists(local):
         os.rename(tmp, local)  # fails, rather than replacing, should a DST appear meanwhile
         return
     _check_replaceable(dst, local, overwrite)
+    if exchange(tmp, local):
+        shutil.rmtree(tmp, ignore_errors=True)  # the old DST, now at the temporary name
+        return
     aside = f"{local}.replaced-{uuid.uuid4().hex[:8]}"
     os.rename(local, aside)
     try:

@@ -90,3 +90,30 @@ def test_plain_overwrite_replaces_a_bcp_checkpoint(tmp_path, src):
     bcp.save(dst, {"model": _model(0)}, framework="single")
     convert.to_dcp(src, dst, max_memory=1 << 20, overwrite=True)
     assert torch.equal(_load_dcp(dst)["weight"], _model(1).weight)
+
+
+def test_overwrite_swaps_in_one_step_where_it_can(tmp_path, src, monkeypatch):
+    """DST is never without a checkpoint: the old and the new one are exchanged in one
+    ``renameat2`` (no rename aside that a crash could leave DST missing after); where the file
+    system cannot, the two-step rename still replaces it."""
+    dst = _dcp_dst(tmp_path)
+
+    def no_two_step(a, b):
+        raise AssertionError(f"renamed {a} -> {b}: DST was missing between two renames")
+
+    replace = convert._replace_dir
+
+    def replace_without_renames(*args):  # the swap alone, after DCP wrote the new one
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(convert.os, "rename", no_two_step)
+            replace(*args)
+
+    monkeypatch.setattr(convert, "_replace_dir", replace_without_renames)
+    convert.to_dcp(src, dst, max_memory=1 << 20, overwrite=True)
+    assert torch.equal(_load_dcp(dst)["weight"], _model(1).weight)
+    assert sorted(set(os.listdir(tmp_path)) - {"latest"}) == ["dst", "src"]
+    monkeypatch.undo()
+    monkeypatch.setattr(convert, "exchange", lambda a, b: False)
+    convert.to_dcp(str(tmp_path / "src"), dst, max_memory=1 << 20, overwrite=True)
+    assert torch.equal(_load_dcp(dst)["weight"], _model(1).weight)
+    assert sorted(set(os.listdir(tmp_path)) - {"latest"}) == ["dst", "src"]
