@@ -494,7 +494,12 @@ def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id:
                 log.warning("could not put %s back after a failed commit: %s", storage.url(final), exc)
         raise
     if replaced is not None:
-        storage.delete(replaced)
+        try:
+            storage.delete(replaced)
+        except Exception as exc:  # noqa: BLE001 - committed: never reported as a failed save
+            log.warning("%s is committed, but the checkpoint it replaced (%s) could not be deleted "
+                        "(the next save or load of it removes it): %s", storage.url(final),
+                        storage.url(replaced), exc)
 
 
 # -- the latest pointer ---------------------------------------------------------------------

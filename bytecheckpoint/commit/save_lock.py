@@ -115,6 +115,11 @@ def record_alive(doc: dict[str, Any] | None, now: float | None = None) -> bool:
     now = time.time() if now is None else now
     pid = doc.get("pid")
     if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not isinstance(pid, bool):
+        if pid == os.getpid():
+            # This process's own record: alive only while this process holds that save's lock
+            # (a record it failed to delete would otherwise block every later save of its own).
+            with _HELD_LOCK:
+                return any(lock.save_id == doc.get("save_id") for lock in _HELD.values())
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -191,7 +196,12 @@ class SaveLock:
         storage, record = self.storage, owner_record_path(self.path, self.save_id)
         storage.write_bytes(record, json.dumps(self.owner).encode())
         self._record = record
-        for other, doc in other_records(storage, self.path, exclude=self.save_id):
+        try:
+            others = other_records(storage, self.path, exclude=self.save_id)
+        except BaseException:  # never leave a record that says a save runs when none does
+            self._drop_record()
+            raise
+        for other, doc in others:
             if record_alive(doc):
                 self._drop_record()
                 raise _busy(storage, self.path, doc, other)
@@ -217,10 +227,21 @@ class SaveLock:
             self._record = record
 
     def _drop_record(self) -> None:
-        if self._record is not None:
-            with contextlib.suppress(Exception):
+        if self._record is None:
+            return
+        for attempt in range(2):  # a record left behind holds other hosts off for a lease's time
+            try:
                 self.storage.delete(self._record)
-            self._record = None
+                break
+            except FileNotFoundError:
+                break
+            except Exception as exc:  # noqa: BLE001 - releasing never fails the save
+                if attempt:
+                    log.warning("could not delete the save's owner record %s (other hosts wait "
+                                "for its lease to lapse, %.0f s; delete it to save sooner): %s",
+                                self.storage.url(self._record), _env_seconds(LEASE_ENV, DEFAULT_LEASE_S),
+                                exc)
+        self._record = None
 
     def release(self) -> None:
         if self.released:

@@ -138,6 +138,7 @@ class _Job:
     lock: save_lock.SaveLock | None = None  # coordinator: held from begin_save to the commit's end
     snapshot: Snapshot | None = None  # an overlapped save's copy, settled before the commit
     modules: list[torch.nn.Module] = field(default_factory=list)  # the state's top-level modules
+    cached: Assignment | None = None  # coordinator: the cached round it is writing (its staging)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -307,6 +308,10 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
         if failed is not None:
             for w in written:  # quietly: the ranks' failure is the error to report
                 abandon(job.storage, w.staging, job.path, w.save_id)
+            if job.cached is not None and job.lock is not None and not written:
+                # Every rank failed under a cached plan: their shared staging directory holds
+                # what they wrote before failing (a full disk: up to a whole checkpoint).
+                abandon(job.storage, job.cached.staging, job.path, job.cached.save_id)
             return [failed] * world
         requests: list[PlanRequest | Written | CacheHit] = [o.value for o in gathered]
         _check_same_call(requests)
@@ -643,6 +648,7 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
                     totals = _commit_round(job, assignment, written, error)
                     break
                 t = time.perf_counter()
+                job.cached = assignment
                 mine = Outcome.failure(error) if error is not None else Outcome(value=Written(
                     assignment.plan_id, assignment.save_id, assignment.staging, written,
                     job.local.shared if job.local else {}, job.opts.async_save, _call_of(job)))

@@ -373,3 +373,70 @@ def test_a_failed_commit_rename_puts_the_old_checkpoint_back():
     with pytest.raises(Exception, match="injected"):
         bcp.save(f"failrename://{path[len('mem://'):]}", make_state(2), step=2, overwrite=True)
     assert _loaded_value(path) == {1.0}
+
+
+@pytest.mark.parametrize("fault", ["delete_fails", "list_fails"])
+def test_s3_owner_record_left_by_a_failed_request_never_blocks_this_process(fault):
+    """A save whose owner record could not be deleted (a bucket that refuses DeleteObject), or
+    whose lease listing failed right after the record was written, left the record behind;
+    this process's pid is alive, so every later save to the path here was refused with a
+    ConcurrentSaveError naming its own finished save."""
+    from bytecheckpoint.storage import faults
+
+    root = s3_root("owner")
+    bcp.save(f"{root}/ckpt", make_state(1), step=1)
+    spec = {"delete_fails": "ops=delete;path=.owner;fail_call=1;permanent=1",
+            "list_fails": "ops=list_dir;fail_call=1;permanent=1"}[fault]
+    faults.install(spec)
+    try:
+        bcp.save(f"{root}/ckpt", make_state(2), step=2, overwrite=True)
+        saved = 2
+    except Exception:  # the listing failure fails this save, by name
+        saved = 1
+    finally:
+        faults.install(None)
+    assert _loaded_value(f"{root}/ckpt") == {float(saved)}
+    for value in (3, 4):
+        bcp.save(f"{root}/ckpt", make_state(value), step=value, overwrite=True)
+        assert _loaded_value(f"{root}/ckpt") == {float(value)}
+
+
+def test_a_cached_save_that_fails_everywhere_removes_its_staging(tmp_path):
+    """Every rank failing under a cached plan (a full disk) left the shared staging directory,
+    up to a whole checkpoint, behind; a fresh plan's failure already cleaned up."""
+    from bytecheckpoint.planning import plan_cache
+    from bytecheckpoint.storage import faults
+
+    for cached in (False, True):
+        root = tmp_path / f"cached{cached}"
+        plan_cache.clear()
+        bcp.save(f"{root}/ckpt", make_state(1), step=1)
+        if not cached:
+            plan_cache.clear()
+        faults.install("errno=ENOSPC;ops=write;path=model-;fail_call=2")
+        try:
+            with pytest.raises(Exception, match="ENOSPC|No space"):
+                bcp.save(f"{root}/ckpt", make_state(2), step=2, overwrite=True)
+        finally:
+            faults.install(None)
+        assert sorted(os.listdir(root)) == ["ckpt", "latest"], cached
+        assert _loaded_value(f"{root}/ckpt") == {1.0}
+
+
+def test_a_committed_overwrite_whose_old_copy_cannot_be_deleted_is_reported_committed(tmp_path):
+    """After the new checkpoint is renamed into place, deleting the one it replaced failing
+    (HDFS, a permission) surfaced as a failed save while the path held the new data, and
+    latest was not moved."""
+    from bytecheckpoint.storage import faults
+
+    root = tmp_path / "run"
+    bcp.save(f"{root}/ckpt", make_state(1), step=1)
+    faults.install("ops=delete;path=.replaced-;fail_call=1;permanent=1")
+    try:
+        result = bcp.save(f"{root}/ckpt", make_state(2), step=2, overwrite=True)
+    finally:
+        faults.install(None)
+    assert result.step == 2 and _loaded_value(str(root)) == {2.0}  # through latest
+    bcp.save(f"{root}/ckpt", make_state(3), step=3, overwrite=True)
+    assert _loaded_value(str(root)) == {3.0}
+    assert not [n for n in os.listdir(root) if ".replaced-" in n]
