@@ -15,6 +15,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dashboard import frames
+
 _TEMPLATE = "plotly_white"
 # Above the plot: below it, a horizontal legend collides with the x-axis title and ticks.
 _LEGEND_TOP = {"legend": {"orientation": "h", "x": 0, "y": 1.0, "xanchor": "left", "yanchor": "bottom"},
@@ -48,16 +50,21 @@ def topology_heatmap(cells: pd.DataFrame, *, title: str, colorbar: str,
     """One TP x DP heatmap per PP stage (paper Fig. 11): one cell per rank, coloured by ``value``.
 
     ``cells`` has rank, host, dp, tp, pp, value, breakdown (``frames.heatmap_cells`` after
-    ``frames.layout_coords``). Ranks in ``flagged`` get an X marker. ``reverse`` makes high
+    ``frames.layout_coords``; coordinates that would not fit a grid of about the ranks' size
+    are laid out in rank order here too). Ranks in ``flagged`` get an X marker. ``reverse`` makes high
     values the good end of the scale (throughput).
     """
     if cells.empty:
         return _empty(title, "no ranks reported this checkpoint")
+    if not frames.grid_fits(cells):
+        cells = frames.by_position(cells)  # never allocate a grid far larger than the ranks
     stages = sorted(cells["pp"].unique())
     cols = min(len(stages), 4)
     rows = math.ceil(len(stages) / cols)
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=[f"PP stage {s}" for s in stages],
-                        horizontal_spacing=0.06, vertical_spacing=0.12 if rows > 1 else 0.08)
+                        horizontal_spacing=0.06,
+                        # plotly refuses a spacing over 1 / (rows - 1)
+                        vertical_spacing=min(0.12, 0.5 / (rows - 1)) if rows > 1 else 0.08)
     values = cells["value"].astype(float)
     finite = values[np.isfinite(values)]
     zmin, zmax = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
@@ -221,7 +228,7 @@ def io_throughput(io: pd.DataFrame, *, title: str, bucket_s: int) -> go.Figure:
     fig = go.Figure()
     for (backend, op), part in data.groupby(["backend", "op"]):
         fig.add_trace(go.Scatter(
-            x=pd.to_datetime(part["bucket_ts"], unit="s", utc=True), y=part["bytes_per_s"] / 1e6,
+            x=frames.utc_times(part["bucket_ts"]), y=part["bytes_per_s"] / 1e6,
             mode="lines+markers", name=f"{backend} {op}",
         ))
     fig.update_layout(title=title, template=_TEMPLATE, yaxis_title=f"MB/s (per {bucket_s} s bucket)",

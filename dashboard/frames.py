@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from telemetry.schema import SCOPE_SPANS
@@ -12,21 +14,68 @@ WHOLE_CALL = "whole call"  # the save / load span itself: what the training loop
 METRICS = ("duration", "throughput")
 
 
-def layout_coords(per_rank: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
-    """Fill dp/tp/pp for the heatmap grid; returns (frame, used_rank_grid).
+def utc_times(seconds: Any) -> pd.Series:
+    """Seconds since the epoch as UTC times, kept to the microsecond.
 
-    Missing coordinates count as 0. If two ranks still share a cell (a job that never set its
-    topology), the ranks are laid out on a near-square grid by rank number instead.
+    Never raises: the store holds years 1900-2299 and nanosecond pandas times end in 2262,
+    so the times are microsecond ones; a value that is not a finite number, or is beyond
+    even those, becomes NaT (shown blank).
+    """
+    series = seconds if isinstance(seconds, pd.Series) else pd.Series(seconds)
+    number = pd.to_numeric(series, errors="coerce").astype(float)
+    micros = (number * 1e6).round()
+    micros = micros.where(np.isfinite(micros) & (micros.abs() < 2.0**62))
+    return pd.to_datetime(micros.astype("Int64"), unit="us", utc=True, errors="coerce")
+
+
+MAX_STAGES = 64  # PP stages drawn as separate grids; beyond that the ranks share one grid
+
+
+def grid_cells(coords: pd.DataFrame) -> int:
+    """Cells the heatmap allocates for ``coords`` (dp, tp, pp): stages x TP x DP."""
+    if coords.empty:
+        return 0
+    return int(coords["pp"].nunique()) * (int(coords["tp"].max()) + 1) * (int(coords["dp"].max()) + 1)
+
+
+def grid_fits(coords: pd.DataFrame) -> bool:
+    """Whether ``coords`` can be drawn on their own grid: no negative coordinate, at most
+    ``MAX_STAGES`` stages, and not far more cells than ranks (at most 4 per rank, plus 64)."""
+    if coords.empty:
+        return True
+    if (coords[["dp", "tp", "pp"]] < 0).any(axis=None) or coords["pp"].nunique() > MAX_STAGES:
+        return False
+    # Python ints: stages x TP x DP of Int32 coordinates overflows int64.
+    return grid_cells(coords) <= 4 * len(coords) + 64
+
+
+def by_position(per_rank: pd.DataFrame) -> pd.DataFrame:
+    """The ranks on one near-square grid in rank order (by position, not by rank number, so a
+    huge rank number does not make a huge grid)."""
+    out = per_rank.sort_values("rank", kind="stable").reset_index(drop=True)
+    width = max(1, math.ceil(math.sqrt(len(out))))
+    position = pd.Series(range(len(out)), index=out.index)
+    out["pp"], out["tp"], out["dp"] = 0, position // width, position % width
+    return out
+
+
+def layout_coords(per_rank: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Fill dp/tp/pp for the heatmap grid; returns (frame, why it is laid out in rank order).
+
+    Missing coordinates count as 0. The reason is "" when the ranks' own coordinates are
+    used. They are not (the ranks go on a near-square grid in rank order instead) when two
+    ranks still share a cell (a job that never set its topology), or when the coordinates
+    cannot make a grid: negative, or a grid far larger than the ranks (``grid_fits``).
     """
     out = per_rank.copy()
     for col in ("dp", "tp", "pp"):
-        out[col] = pd.to_numeric(out[col], errors="coerce").fillna(0).astype(int)
-    if not out.duplicated(["pp", "tp", "dp"]).any():
-        return out, False
-    width = max(1, math.ceil(math.sqrt(len(out))))
-    ranks = out["rank"].astype(int)
-    out["pp"], out["tp"], out["dp"] = 0, ranks // width, ranks % width
-    return out, True
+        out[col] = pd.to_numeric(out[col], errors="coerce").fillna(0).astype("int64")
+    if not grid_fits(out):
+        return by_position(out), ("the ranks' topology coordinates are negative or would make a grid "
+                                  "far larger than the number of ranks")
+    if out.duplicated(["pp", "tp", "dp"]).any():
+        return by_position(out), "these ranks share topology coordinates (or reported none)"
+    return out, ""
 
 
 def phase_options(phases: pd.DataFrame) -> list[str]:

@@ -139,8 +139,9 @@ def io_latency(client: Any, *, job: str = ALL, run: str = ALL) -> pd.DataFrame:
 
 def io_throughput(client: Any, *, job: str = ALL, run: str = ALL, bucket_s: int = 60) -> pd.DataFrame:
     """Storage ops per time bucket, backend and op: count, bytes, bytes per second, errors."""
+    # Buckets as float seconds: toStartOfInterval gives a DateTime, which ends in 2106 (ts: 2299).
     sql = f"""
-    SELECT toFloat64(toStartOfInterval(ts, toIntervalSecond({{bucket:UInt32}}))) AS bucket_ts,
+    SELECT floor(toFloat64(ts) / {{bucket:UInt32}}) * {{bucket:UInt32}} AS bucket_ts,
            backend, op, count() AS ops, sum(ifNull(bytes, 0)) AS bytes,
            sum(ifNull(bytes, 0)) / {{bucket:UInt32}} AS bytes_per_s,
            countIf(outcome = 'error') AS errors, countIf(ifNull(attempt, 1) > 1) AS retries

@@ -111,13 +111,47 @@ def stop_spool_ingest(timeout_s: float = 30.0) -> None:
         thread.join(timeout_s)
 
 
+def _shared_ingester(source: Any, dsn: str) -> Any:
+    """The CLI ingester's insert (``telemetry.ingest.runner.Ingester.insert``: check the events
+    against the columns, quarantine the source's rejects and the refused events with their
+    reason, bisect a batch the store refuses), run on this process's shared client.
+
+    Each store call goes through ``run_query`` (one query at a time with the pages); the
+    store "refuses" a batch when it still answers ``SELECT 1``, else it is unreachable and
+    the ingester retries with backoff, as the CLI does.
+    """
+    from telemetry.ingest.runner import Ingester
+
+    class SharedClientIngester(Ingester):
+        def _store(self) -> Any:
+            # Actions get the shared client from run_query; this only marks "a store is open",
+            # so a failure is classified by _answers() (refused data vs an unreachable store).
+            self._client = dsn
+            return None
+
+        def _drop_client(self) -> None:
+            self._client = None  # run_query drops the shared client on connection errors
+
+        def _answers(self) -> bool:
+            try:
+                run_query(dsn, lambda client: client.command("SELECT 1"))
+            except Exception:  # noqa: BLE001 - any failure means "not answering"
+                return False
+            return True
+
+        def _attempt(self, action: Callable[[Any], Any], stop: threading.Event) -> tuple[bool, Any]:
+            return super()._attempt(lambda _: run_query(dsn, action), stop)
+
+    return SharedClientIngester(source, dsn, retry_for_s=120.0)
+
+
 def _ingest_loop(dsn: str, spool_dir: str, every_s: float, stop: threading.Event) -> None:
     from telemetry.ingest.runner import Batch
     from telemetry.ingest.spool_source import SpoolSource
-    from telemetry.store import insert_events
 
     key = hashlib.sha1(dsn.encode()).hexdigest()[:12]
     source = SpoolSource(spool_dir, state_file=Path(spool_dir) / f".ingest-state-dashboard-{key}.json")
+    ingester = _shared_ingester(source, dsn)
     try:
         while not stop.is_set():
             batch: Batch = source.poll(5000, 0.2)
@@ -125,8 +159,11 @@ def _ingest_loop(dsn: str, spool_dir: str, every_s: float, stop: threading.Event
                 stop.wait(every_s)
                 continue
             try:
-                if batch.events:
-                    run_query(dsn, insert_events, events=batch.events)
+                # Stores what it can and quarantines the rest (with the reason), as
+                # ``python -m telemetry.ingest`` does; False only when stopped first.
+                if (batch.events or batch.rejects) and not ingester.insert(batch, stop):
+                    source.rewind(batch.position)
+                    break
                 source.commit(batch.position)
             except Exception as exc:  # noqa: BLE001 - keep serving; the batch is read again
                 log.warning("dashboard ingest: insert failed (%s); retrying in %.0f s", exc, every_s)

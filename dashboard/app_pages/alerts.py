@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
-from dashboard import ui
+from dashboard import frames, ui
 
 st.title("Alerts")
 job, run = ui.filters()
@@ -21,7 +20,7 @@ for col, (_, row) in zip(cols, counts.iterrows()):
     col.metric(f"{row['rule']} ({row['severity']})", int(row["alerts"]))
 
 table = alerts.assign(
-    created=pd.to_datetime(alerts["created_ts"], unit="s", utc=True),
+    created=frames.utc_times(alerts["created_ts"]),
     heatmap=[ui.heatmap_link(r) for _, r in alerts.iterrows()],
 )
 st.dataframe(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
 from dashboard import frames, ui
@@ -32,8 +31,7 @@ else:
 
 st.subheader("Jobs")
 jobs = ui.query("jobs")
-st.dataframe(jobs.assign(first=pd.to_datetime(jobs["first_ts"], unit="s", utc=True),
-                         last=pd.to_datetime(jobs["last_ts"], unit="s", utc=True))
+st.dataframe(jobs.assign(first=frames.utc_times(jobs["first_ts"]), last=frames.utc_times(jobs["last_ts"]))
              .drop(columns=["first_ts", "last_ts"]), hide_index=True, width="stretch")
 
 st.subheader("Recent checkpoints")

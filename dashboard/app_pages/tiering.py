@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
 from dashboard import figures, frames, ui
@@ -32,5 +31,5 @@ cols[4].metric("Failed moves", int(state["failed"].sum()))
 if state["failed"].any():
     st.error("Failed moves: " + ", ".join(state.loc[state["failed"] > 0, "checkpoint"]))
 st.plotly_chart(figures.tiering_bytes(state, title="Checkpoints per tier"), width="stretch", key="tiers")
-st.dataframe(state.assign(last=pd.to_datetime(state["last_ts"], unit="s", utc=True)).drop(columns="last_ts"),
+st.dataframe(state.assign(last=frames.utc_times(state["last_ts"])).drop(columns="last_ts"),
              hide_index=True, width="stretch")

@@ -32,8 +32,7 @@ fig = figures.topology_heatmap(
     colorbar=unit, flagged=slow, reverse=metric == "throughput")
 st.plotly_chart(fig, width="stretch", key="heatmap")
 if by_rank:
-    st.caption("These ranks share topology coordinates (or reported none), so they are laid out "
-               "by rank number.")
+    st.caption(f"Laid out in rank order, not by topology: {by_rank}.")
 if slow:
     st.warning("Slow ranks flagged by the alert rules (marked X): "
                + "; ".join(slow_alerts["message"]))
