@@ -8,12 +8,17 @@ polls inline sinks (fsync in groups, ship, prune).
 
 No sink exists until the first event: it is built then by a factory (``telemetry.config``),
 so settings made after import (e.g. ``BCP_TELEMETRY_DIR`` set by the program) are honoured.
+
+Counting: ``dropped`` counts every event that will not reach the sink: a full queue, an append
+the sink refused, a span whose event could not be built, and (moved there from ``emitted`` and
+``written``) events a spool had accepted into a segment file that was then deleted under it.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -22,6 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from telemetry.sinks.base import Sink
+
+log = logging.getLogger("telemetry")
 
 DEFAULT_QUEUE_SIZE = 65536
 # Large enough to amortise per-write syscalls, small enough to keep write latency low.
@@ -35,6 +42,10 @@ LINGER_S = 0.05
 IDLE_POLL_S = 1.0
 # Queued after inline appends so the writer thread polls the sink (ships) soon after a burst.
 _POKE = object()
+# At interpreter exit, how long to wait on a sink that delivers over the network (it has a
+# ``delivering`` attribute: Kafka) while it is not connected. Its events are already safe in
+# its write-ahead spool, and the next process on that spool sends them.
+EXIT_NETWORK_WAIT_S = 0.5
 
 
 class Emitter:
@@ -61,6 +72,7 @@ class Emitter:
         self._dropped = 0
         self._sink_errors = 0
         self._poked = False
+        self._warned_unbuilt = False
 
     # -- producer side -------------------------------------------------------------
 
@@ -105,11 +117,40 @@ class Emitter:
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(_POKE)
 
+    def count_unbuilt(self, name: Any, exc: BaseException) -> None:
+        """A span whose event could not be built (e.g. a field that fails to convert): dropped."""
+        with self._counts:
+            self._dropped += 1
+            warn, self._warned_unbuilt = not self._warned_unbuilt, True
+        if warn:
+            with contextlib.suppress(Exception):
+                log.warning(
+                    "telemetry: could not build the event of span %r (%s); it is counted in "
+                    "telemetry.stats()['dropped']",
+                    name,
+                    type(exc).__name__,
+                )
+
+    def _count_lost(self, n: int) -> None:
+        # Events an inline sink had accepted (counted emitted and written) and then lost: the
+        # segment file they were in was deleted before they were checked (see SegmentLog.sync).
+        with self._counts:
+            self._emitted -= n
+            self._written -= n
+            self._dropped += n
+
+    def _adopt(self, sink: Sink | None) -> Sink | None:
+        # The spool sinks keep their segment log in ``_log``; have it report losses to us.
+        segment_log = getattr(sink, "_log", None)
+        if segment_log is not None and hasattr(segment_log, "on_lost"):
+            segment_log.on_lost = self._count_lost
+        return sink
+
     def _default_sink(self) -> Sink | None:
         with self._factory_lock:
             if self._sink is None and self._sink_factory is not None:
                 try:
-                    self._sink = self._sink_factory()
+                    self._sink = self._adopt(self._sink_factory())
                 except Exception:  # noqa: BLE001 - a bad setting must not reach training
                     with self._counts:
                         self._sink_errors += 1
@@ -206,8 +247,9 @@ class Emitter:
         with self._counts:
             if ok:
                 self._written += len(batch)
-            else:
+            else:  # every event of the batch is lost: each counts as dropped
                 self._sink_errors += 1
+                self._dropped += len(batch)
 
     def _poll_sink(self) -> None:
         try:
@@ -280,6 +322,7 @@ class Emitter:
 
         None leaves the next event to build a sink with the factory."""
         deadline = time.monotonic() + timeout
+        self._adopt(sink)
         self.flush(timeout)
         if not self._sink_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             # The old sink is stuck inside emit(): switch anyway, but closing it under
@@ -361,10 +404,50 @@ def stats() -> dict[str, int]:
     return EMITTER.stats()
 
 
-def _shutdown_at_exit() -> None:
+def _quiet_shutdown(timeout: float) -> None:
+    with contextlib.suppress(Exception):
+        EMITTER.shutdown(timeout)
+
+
+def _shutdown_at_exit(timeout: float = 5.0) -> None:
+    """Flush and close at interpreter exit, waiting on the network only while it answers.
+
+    A sink that delivers over the network through a write-ahead spool (inline, with a
+    ``delivering`` attribute: Kafka) has every accepted event on disk already. Its shutdown
+    runs in a helper thread: exit waits for it up to EXIT_NETWORK_WAIT_S, and up to
+    ``timeout`` only while the sink is connected and sending. A broker that is down or never
+    answers therefore delays exit by at most EXIT_NETWORK_WAIT_S; the next process on the spool
+    directory sends what is left. Other sinks get the full ``timeout`` as before.
+    """
     # Nothing useful can be done about a failure this late; never spoil interpreter exit.
     with contextlib.suppress(Exception):
-        EMITTER.shutdown()
+        sink = EMITTER.get_sink()
+        if sink is None or not sink.inline or not hasattr(sink, "delivering"):
+            EMITTER.shutdown(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        helper = threading.Thread(
+            target=_quiet_shutdown, args=(timeout,), name="bcp-telemetry-exit", daemon=True
+        )
+        try:
+            helper.start()
+        except RuntimeError:
+            # No threads this late: bound what can be bounded (the sink's close may still connect).
+            EMITTER.shutdown(EXIT_NETWORK_WAIT_S)
+            return
+        helper.join(EXIT_NETWORK_WAIT_S)
+        while helper.is_alive() and sink.delivering:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            helper.join(min(0.05, left))
+        if helper.is_alive():
+            log.warning(
+                "telemetry: not waiting for %s to deliver at exit; the events stay in its spool %s, "
+                "and the next process using that spool directory sends them",
+                type(sink).__name__,
+                getattr(sink, "pending_dir", ""),
+            )
 
 
 atexit.register(_shutdown_at_exit)

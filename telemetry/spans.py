@@ -58,24 +58,45 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def _unprintable(value: Any) -> str:
+    return f"<unprintable {getattr(type(value), '__name__', 'object')}>"
+
+
+def _safe_str(value: Any) -> str:
+    """``str(value)``, or a placeholder when that raises (a broken ``__str__``, RecursionError
+    from a very deeply nested container)."""
+    try:
+        text = str(value)
+    except Exception:  # noqa: BLE001 - any object may come in as a span field
+        return _unprintable(value)
+    return text
+
+
 def _jsonable(value: Any, depth: int = 0) -> Any:
-    """Coerce ``value`` into something json.dumps accepts without surprises."""
-    if isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, float):
-        # NaN/Infinity are not valid JSON and would break strict readers downstream.
-        return value if math.isfinite(value) else str(value)
-    if depth >= _MAX_DEPTH:
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        return {str(key): _jsonable(item, depth + 1) for key, item in value.items()}
-    if isinstance(value, numbers.Integral):  # numpy / torch integer scalars
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return _jsonable(float(value), depth)
-    return str(value)
+    """Coerce ``value`` into something json.dumps accepts without surprises; never raises.
+
+    Containers are followed ``_MAX_DEPTH`` levels down; below that a value becomes its
+    ``str()``. Whatever cannot be converted becomes ``"<unprintable TYPE>"``."""
+    try:
+        if isinstance(value, _SCALARS):
+            return value
+        if isinstance(value, float):
+            # NaN/Infinity are not valid JSON and would break strict readers downstream.
+            return value if math.isfinite(value) else str(value)
+        if depth >= _MAX_DEPTH:
+            return _safe_str(value)
+        if isinstance(value, (list, tuple)):
+            return [_jsonable(item, depth + 1) for item in value]
+        if isinstance(value, dict):
+            return {key if isinstance(key, str) else _safe_str(key): _jsonable(item, depth + 1)
+                    for key, item in value.items()}
+        if isinstance(value, numbers.Integral):  # numpy / torch integer scalars
+            return int(value)
+        if isinstance(value, numbers.Real):
+            return _jsonable(float(value), depth)
+        return _safe_str(value)
+    except Exception:  # noqa: BLE001 - e.g. a container that fails while iterated
+        return _unprintable(value)
 
 
 def _new_event_id() -> str:
@@ -166,9 +187,16 @@ class Span:
         else:
             self.outcome = "error"
             self.error = _format_error(exc_type, exc)
-        # Telemetry must never change the behaviour of the code it observes.
+        # Telemetry must never change the behaviour of the code it observes, and an event
+        # that cannot be built is counted as dropped, never lost silently.
+        try:
+            event = self.to_event()
+        except Exception as build_error:  # noqa: BLE001 - e.g. RecursionError deep in the caller's stack
+            with contextlib.suppress(Exception):
+                EMITTER.count_unbuilt(self.name, build_error)
+            return False
         with contextlib.suppress(Exception):
-            EMITTER.emit(self.to_event())
+            EMITTER.emit(event)
         # Never swallow the exception: the caller sees exactly what the body raised.
         return False
 
@@ -232,7 +260,8 @@ class Span:
 
 
 def _as_str(value: Any) -> str | None:
-    return None if value is None else str(value)
+    # Called on entering a span: a broken __str__ must not reach the caller.
+    return None if value is None else _safe_str(value)
 
 
 def span(name: str, /, **fields: Any) -> Span:

@@ -175,6 +175,13 @@ class KafkaSink(Sink):
                         "the next process using this spool directory re-sends them",
                         self._pending_bytes, self.pending_dir, self.bootstrap)
 
+    @property
+    def delivering(self) -> bool:
+        """Connected to the broker. While not (down, or a connection attempt that hangs), every
+        event is safe in the spool, so interpreter exit waits on this sink only briefly
+        (``telemetry.emitter.EXIT_NETWORK_WAIT_S``); an explicit ``flush()`` still waits."""
+        return self._producer is not None
+
     def stats(self) -> dict[str, int]:
         pending = max(0, self._log.appended - self._sent_own - self._pruner.dropped)
         return {**self._counters, "appended": self._log.appended, "dropped": self._pruner.dropped,

@@ -11,6 +11,13 @@ policy (``BCP_TELEMETRY_FSYNC``) sets what a power loss may lose. A segment is r
 size and then *sealed*: closed and made read-only, the sign for readers (the ingester, the
 Kafka shipper) that nothing more will be appended, so once they have durably passed it on
 they may delete it. A segment of a dead process on this host counts as sealed too.
+
+What the counters promise: ``SegmentLog.appended`` counts lines that reached a linked file
+whole. A write cut short (disk full, RLIMIT_FSIZE) is cut back off the file, so the next line
+never lands on a fragment. If the spool directory or the open segment is deleted under the
+process, ``sync()`` notices (by ``fstat``: no links left, or the path now names another file
+or nothing), starts a new segment (recreating the directory) and moves the lines appended
+since the previous check from ``appended`` to ``lost`` (reported through ``on_lost``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import socket
 import stat
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +42,9 @@ DEFAULT_FSYNC = "interval"
 # A line is one event; far larger than any span makes, small enough to ship as one message.
 MAX_LINE_BYTES = 256 * 1024
 SEGMENT_GLOB = "*.jsonl"
+# Every this many appends the appending thread checks (one fstat) that the open segment still
+# has a link, so a deleted spool directory costs at most this many events before sync() runs.
+CHECK_EVERY = 64
 ACKED_SUFFIX = ".acked"
 _SEGMENT = re.compile(r"^(?:claimed-(?P<chost>.+?)-(?P<cpid>\d+)-)?"
                       r"(?P<original>events-(?P<host>.+)-(?P<pid>\d+)-(?P<seq>\d+)\.jsonl)$")
@@ -180,6 +191,10 @@ class SegmentLog:
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         self._host = safe_component(host) if host else this_host()
+        # Told how many lines were lost after they had been counted appended (their file was
+        # deleted before they were checked); the emitter moves them from written to dropped.
+        self.on_lost: Callable[[int], None] | None = None
+        self._warned_lost = False
         self._init_process()
         _LOGS.add(self)
 
@@ -192,8 +207,12 @@ class SegmentLog:
         self._path: Path | None = None
         self._size = 0
         self._dirty = False
-        self._rotated: list[tuple[int, Path]] = []  # (fd, path) waiting for fsync + close + seal
+        # Lines appended to the open segment since a check last found it linked at its path.
+        self._unchecked = 0
+        # (fd, path, unchecked lines) waiting for a check, fsync, close and seal.
+        self._rotated: list[tuple[int, Path, int]] = []
         self.appended = 0
+        self.lost = 0  # lines counted appended, then found in a file deleted under us
 
     @property
     def current_path(self) -> Path | None:
@@ -217,29 +236,83 @@ class SegmentLog:
             return
 
     def append(self, line: bytes) -> None:
-        """Write one encoded line (see ``encode_line``); raises OSError if the disk refuses it."""
+        """Write one encoded line (see ``encode_line``); raises OSError if the disk refuses it.
+
+        A line is all or nothing: when the write is cut short (or the ``always`` fsync fails)
+        what reached the file is cut off again before the error is raised."""
         with self._lock:
+            if self._unchecked >= CHECK_EVERY:
+                self._check_linked_locked()
             if self._fd < 0:
                 self._open_next()
+            start = self._size
             view = memoryview(line)
-            while view:
-                written = os.write(self._fd, view)
-                if written <= 0:
-                    raise OSError(f"short write to {self._path}")
-                view = view[written:]
+            try:
+                while view:
+                    written = os.write(self._fd, view)
+                    if written <= 0:
+                        raise OSError(f"short write to {self._path}")
+                    view = view[written:]
+                if self.fsync == "always":
+                    os.fsync(self._fd)
+            except BaseException:
+                if len(view) < len(line):  # some of it reached the file
+                    self._cut_back_locked(start)
+                raise
             self._size += len(line)
-            self._dirty = True
+            self._unchecked += 1
             self.appended += 1
-            if self.fsync == "always":
-                os.fsync(self._fd)
-                self._dirty = False
+            self._dirty = self.fsync != "always"
             if self._size >= self.segment_bytes:
                 self._rotate_locked()
 
+    def _cut_back_locked(self, start: int) -> None:
+        """Remove a partly written line, so the next line does not continue the fragment."""
+        try:
+            os.ftruncate(self._fd, start)
+        except OSError:
+            # The fragment stays: make it the torn last line of a sealed file (readers skip
+            # that) and start the next line in a new segment.
+            log.warning("telemetry: could not cut a partly written event off %s; starting a new segment",
+                        self._path)
+            self._rotate_locked()
+
     def _rotate_locked(self) -> None:
         if self._fd >= 0:
-            self._rotated.append((self._fd, self._path))  # type: ignore[arg-type]
-        self._fd, self._path, self._size, self._dirty = -1, None, 0, False
+            self._rotated.append((self._fd, self._path, self._unchecked))  # type: ignore[arg-type]
+        self._fd, self._path, self._size, self._dirty, self._unchecked = -1, None, 0, False, 0
+
+    def _check_linked_locked(self) -> None:
+        try:
+            linked = os.fstat(self._fd).st_nlink > 0
+        except OSError:
+            return
+        if linked:
+            self._unchecked = 0
+        else:
+            self._rotate_locked()  # sync() counts the unchecked lines lost
+
+    def _check_open_locked(self) -> None:
+        """Start a new segment if the open one was deleted or replaced under us (``rm -rf`` of
+        the spool directory): appends would otherwise go on into a file nobody can read."""
+        if self._fd < 0:
+            return
+        try:
+            st = os.fstat(self._fd)
+        except OSError:
+            return
+        if st.st_nlink:
+            try:
+                here = os.stat(self._path)  # type: ignore[arg-type]
+            except (FileNotFoundError, NotADirectoryError):
+                here = None  # moved away with its directory, say: it still exists, elsewhere
+            except OSError:
+                return  # e.g. no permission to look: the descriptor still works
+            if here is not None and (here.st_dev, here.st_ino) == (st.st_dev, st.st_ino):
+                self._unchecked = 0  # every line so far is in a file readers can find
+                return
+        # Rotated with its unchecked count: _close_files counts them lost if no link is left.
+        self._rotate_locked()
 
     def rotate(self) -> None:
         """Seal the open segment now (the next append opens a new one)."""
@@ -247,8 +320,10 @@ class SegmentLog:
             self._rotate_locked()
 
     def sync(self) -> None:
-        """fsync what was appended since the last call (policy permitting); seal rotated files."""
+        """fsync what was appended since the last call (policy permitting); seal rotated files;
+        start a new segment if the open one was deleted (see ``_check_open_locked``)."""
         with self._lock:
+            self._check_open_locked()
             fd = self._fd if self._dirty and self.fsync != "never" else -1
             self._dirty = False
             rotated, self._rotated = self._rotated, []
@@ -259,16 +334,44 @@ class SegmentLog:
                 os.fsync(fd)
         self._close_files(rotated)
 
-    def _close_files(self, files: list[tuple[int, Path]]) -> None:
-        for fd, path in files:
+    def _close_files(self, files: list[tuple[int, Path, int]]) -> None:
+        lost = 0
+        gone: Path | None = None
+        for fd, path, unchecked in files:
             try:
-                if self.fsync != "never":
+                deleted = os.fstat(fd).st_nlink == 0
+            except OSError:
+                deleted = False
+            try:
+                if self.fsync != "never" and not deleted:
                     os.fsync(fd)
             except OSError:
                 pass
             finally:
+                if not deleted:
+                    # By descriptor: the path may name another file by now, or nothing.
+                    with contextlib.suppress(OSError):
+                        os.fchmod(fd, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
                 os.close(fd)
-            seal_file(path)
+            if deleted and unchecked:
+                lost += unchecked
+                gone = path
+        if lost:
+            self._count_lost(lost, gone)  # type: ignore[arg-type]
+
+    def _count_lost(self, lost: int, path: Path) -> None:
+        with self._lock:
+            self.appended -= lost
+            self.lost += lost
+        if not self._warned_lost:
+            self._warned_lost = True
+            log.warning("telemetry: the spool segment %s was deleted while this process was writing it "
+                        "(was %s removed?); %d events written to it since the last check are counted "
+                        "as dropped, and new events go to a new segment", path, self.directory, lost)
+        callback = self.on_lost
+        if callback is not None:
+            with contextlib.suppress(Exception):
+                callback(lost)
 
     def close(self) -> None:
         """Seal the open segment; a later append opens a new one."""
@@ -279,7 +382,7 @@ class SegmentLog:
 
     def _after_fork_in_child(self) -> None:
         # The parent's descriptors and lock are not this process's; its files are not ours to seal.
-        fds = [self._fd, *(fd for fd, _ in self._rotated)]
+        fds = [self._fd, *(fd for fd, _, _ in self._rotated)]
         for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
