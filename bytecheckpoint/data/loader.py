@@ -18,6 +18,7 @@ K-th batch, so collecting it when the checkpoint is taken costs almost nothing.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -31,9 +32,18 @@ import torch
 
 from telemetry import span
 
-from ..errors import StateMismatchError
+from ..errors import CorruptCheckpointError, InvalidArgumentError, StagingError, StateMismatchError
 from .source import TokenSource
-from .streams import Layout, Pieces, StreamState, initial_states, reshard
+from .streams import (
+    Layout,
+    Pieces,
+    StreamState,
+    initial_states,
+    reshard,
+    source_fingerprint,
+    validate_layout,
+    validate_shard,
+)
 from .worker import run_worker
 
 REPLICATED = "replicated"
@@ -75,13 +85,24 @@ class TokenLoader:
             world size, i.e. pure data parallelism; pass them under TP or PP).
         buffer_tokens: tokens each worker reads ahead (its token buffer).
         checkpoint_every: batches between checkpoints, enabling state prefetch.
+        state_timeout_s: the longest a checkpoint waits for the readers' state before it
+            raises ``StagingError`` (a reader that does not answer never hangs a save).
     """
 
     def __init__(self, sources: Sequence[str], ratios: Sequence[float] | None = None, *, context: int,
                  batch_size: int, workers: int = 2, dp_rank: int | None = None,
                  dp_size: int | None = None, seed: int = 0, buffer_tokens: int = 4096,
                  prefetch: int = 4, checkpoint_every: int | None = None, pad_id: int = 0,
-                 start_method: str = "fork") -> None:
+                 start_method: str = "fork", state_timeout_s: float = 120.0) -> None:
+        for name, value in (("context", context), ("batch_size", batch_size), ("workers", workers),
+                            ("prefetch", prefetch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"TokenLoader {name} must be a whole number >= 1, not {value!r}")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise InvalidArgumentError(
+                f"TokenLoader checkpoint_every must be None or a whole number >= 1, not {checkpoint_every!r}")
+        if not state_timeout_s > 0:
+            raise InvalidArgumentError(f"TokenLoader state_timeout_s must be > 0, not {state_timeout_s!r}")
         if dp_rank is None or dp_size is None:
             dp_rank, dp_size = _dp_default()
         if not 0 <= dp_rank < dp_size:
@@ -94,7 +115,9 @@ class TokenLoader:
         self.prefetch = prefetch
         self.checkpoint_every = checkpoint_every
         self.start_method = start_method
-        self._sizes = [len(TokenSource(p)) for p in sources]  # also validates the sources
+        self.state_timeout_s = float(state_timeout_s)
+        self._opened = [TokenSource(p) for p in sources]  # also validates the sources
+        self._sizes = [len(t) for t in self._opened]
         self.layout = Layout(list(sources), ratios, seed, context + 1, workers, dp_size, buffer_tokens,
                              pad_id)
         self._states = self._own(initial_states(self.layout))
@@ -104,7 +127,9 @@ class TokenLoader:
         self.last_collect_prepared = False  # whether the last collection was prefetched
         self._procs: list[Any] = []
         self._conns: list[Any] = []
-        self._requested: list[int] = []  # per worker: the tag of its last state request
+        self._requested: list[int] = []  # per worker: the tag of its unused prefetch request
+        self._sent: list[int] = []  # per worker: "next" requests sent
+        self._expect: list[int] = []  # per worker: "next" requests after which it prefetches
         self._failed: str | None = None
 
     # -- workers --------------------------------------------------------------------
@@ -119,8 +144,12 @@ class TokenLoader:
         self._state_ready = threading.Condition()
         for state in self._states:
             parent, child = ctx.Pipe()
+            # a forked child closes its copies of the loader's pipe ends (so it sees EOF
+            # when the loader dies); other start methods do not inherit them
+            inherited = [*self._conns, parent] if self.start_method == "fork" else []
             proc = ctx.Process(target=run_worker, daemon=True,
-                               args=(child, self.layout.to_dict(), state.to_dict(), self.prefetch))
+                               args=(child, self.layout.to_dict(), state.to_dict(), self.prefetch,
+                                     inherited))
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -128,6 +157,8 @@ class TokenLoader:
             self._windows.append(queue.Queue())
             self._prepared.append({})
             self._requested.append(-1)
+            self._sent.append(0)
+            self._expect.append(-1)
         self._pump = threading.Thread(target=self._receive, daemon=True, name="bcp-loader-pump")
         self._pump.start()
 
@@ -152,7 +183,8 @@ class TokenLoader:
                     self._windows[w].put(("window", msg[1]))
                 else:
                     with self._state_ready:
-                        self._prepared[w][msg[1]] = msg[2]
+                        self._prepared[w].clear()  # only the latest request's state is wanted
+                        self._prepared[w][msg[1]] = (msg[2], msg[3])
                         self._state_ready.notify_all()
 
     def close(self) -> None:
@@ -168,6 +200,7 @@ class TokenLoader:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._requested = [], [], []
+        self._sent, self._expect = [], []
 
     def __del__(self) -> None:
         try:
@@ -188,6 +221,7 @@ class TokenLoader:
             if rot["finished"][w]:
                 continue
             self._conns[w].send(("next",))
+            self._sent[w] += 1
             kind, window = self._windows[w].get()
             if kind == "error":
                 raise RuntimeError(f"data loader worker {w} failed: {window}")
@@ -229,6 +263,7 @@ class TokenLoader:
         for w, conn in enumerate(self._conns):
             conn.send(("state_after", served[w], tag))
             self._requested[w] = tag
+            self._expect[w] = self._sent[w] + served[w]
 
     # -- state ------------------------------------------------------------------------
     def _collect(self) -> list[StreamState]:
@@ -236,67 +271,135 @@ class TokenLoader:
             return list(self._states)
         t0 = time.perf_counter()
         tag = self.batches
-        self.last_collect_prepared = all(r == tag for r in self._requested)
+        # A prefetched state is used only if the worker took it after exactly the "next"
+        # requests the loader sent it (a worker that ran dry changes the rotation, so the
+        # prediction can be off); otherwise the state is asked for now, which also drops
+        # a prefetch request still pending in the worker.
+        prepared = [self._requested[w] == tag and self._expect[w] == self._sent[w]
+                    for w in range(len(self._conns))]
+        self.last_collect_prepared = all(prepared)
         for w in range(len(self._conns)):
-            if self._requested[w] != tag:  # not prepared ahead (or for another batch)
+            if not prepared[w]:
                 self._conns[w].send(("state", tag))
-                self._requested[w] = tag
+            self._requested[w] = -1  # a prefetched state serves one collection only
+
+        def ready() -> bool:
+            return all(p.get(tag, (None,))[0] == self._sent[w] for w, p in enumerate(self._prepared))
+
         with span("save.loader", prefetched=self.last_collect_prepared), self._state_ready:
-            self._state_ready.wait_for(
-                lambda: self._failed is not None or all(tag in p for p in self._prepared))
+            done = self._state_ready.wait_for(lambda: self._failed is not None or ready(),
+                                              timeout=self.state_timeout_s)
             if self._failed is not None:
-                raise RuntimeError(self._failed)
-            states = [StreamState.from_dict(p.pop(tag)) for p in self._prepared]
+                raise StagingError(f"could not collect the data loader's state: {self._failed}")
+            if not done:
+                late = [w for w, p in enumerate(self._prepared)
+                        if p.get(tag, (None,))[0] != self._sent[w]]
+                raise StagingError(
+                    f"data loader workers {late} did not report their state within "
+                    f"{self.state_timeout_s:g} s (TokenLoader state_timeout_s), so this save "
+                    "failed: check that the reader processes are alive and not stalled on "
+                    "storage, then save again"
+                )
+            states = [StreamState.from_dict(p.pop(tag)[1]) for p in self._prepared]
             for p in self._prepared:
                 p.clear()
         self.last_collect_s = time.perf_counter() - t0
         return states
+
+    def _layout_key(self) -> str:
+        """A marker entry naming the saved shard layout: a load with the same DP size, workers
+        and window reads only its own shard; any other layout reads (and re-splits) all."""
+        return f"layout/{self.dp_size}/{self.layout.workers}/{self.layout.window}/"
+
+    def _fingerprints(self) -> list[dict[str, Any]]:
+        if getattr(self, "_fps", None) is None:
+            self._fps = [source_fingerprint(t) for t in self._opened]
+        return self._fps
 
     def checkpoint_shards(self) -> dict[str, Any]:
         """The bytecheckpoint protocol: entries saved once each, by any rank holding them."""
         states = self._collect()
         shard = {"streams": [s.to_dict() for s in states], "rotation": self._rotation,
                  "batches": self.batches}
-        return {REPLICATED: self.layout.to_dict(), f"shard/{self.dp_size}/{self.dp_rank}": shard}
+        replicated = self.layout.to_dict()
+        replicated["fingerprints"] = self._fingerprints()
+        return {REPLICATED: replicated, f"shard/{self.dp_size}/{self.dp_rank}": shard,
+                self._layout_key() + "same": {"dp_size": self.dp_size}}
 
     def load_prefixes(self, has_saved: Callable[[str], bool]) -> list[str]:
-        """Which saved entries a load must read: this rank's shard when the DP size is the
-        same, every shard (to merge and re-split) when it is not."""
+        """Which saved entries a load must read: this rank's shard when the DP size, the
+        workers and the window are the same, every shard (to merge and re-split) otherwise."""
         own = f"shard/{self.dp_size}/{self.dp_rank}"
-        return [REPLICATED, own] if has_saved(own) else [REPLICATED, "shard/"]
+        if has_saved(own) and has_saved(self._layout_key()):
+            return [REPLICATED, own, "layout/"]
+        return [REPLICATED, "shard/", "layout/"]
 
-    def restore_shards(self, entries: dict[str, Any]) -> None:
-        if REPLICATED not in entries:
-            raise StateMismatchError("the checkpoint holds no state for this data loader")
-        saved = Layout.from_dict(entries[REPLICATED])
+    def _check_sources(self, saved: Layout, fingerprints: Any) -> None:
+        """The saved positions mean something only for the sources they were taken on."""
         if len(saved.sources) != len(self.layout.sources):
             raise StateMismatchError(
                 f"the checkpoint's loader read {len(saved.sources)} sources, this one has "
                 f"{len(self.layout.sources)}; resume with the same sources"
             )
+        if fingerprints is not None and (not isinstance(fingerprints, list)
+                                         or len(fingerprints) != len(saved.sources)):
+            raise CorruptCheckpointError("the data loader's saved source fingerprints are malformed")
+        for i, (was, now) in enumerate(zip(saved.sources, self.layout.sources)):
+            hint = ("resume with the same sources in the same order (a source may only have "
+                    "grown by appending samples)")
+            if fingerprints is None:  # a checkpoint from before fingerprints: paths only
+                if os.path.normpath(str(was)) != os.path.normpath(str(now)):
+                    raise StateMismatchError(
+                        f"data loader source {i} is {now}, the checkpoint read {was} there; {hint}")
+                continue
+            fp = fingerprints[i]
+            try:
+                samples = int(fp["samples"])
+            except (KeyError, TypeError, ValueError):
+                raise CorruptCheckpointError(
+                    f"the data loader's saved fingerprint of source {i} is malformed") from None
+            if samples > self._sizes[i]:
+                raise StateMismatchError(
+                    f"data loader source {i} ({now}) has {self._sizes[i]} samples, the checkpoint's "
+                    f"({was}) had {samples}; {hint}")
+            if source_fingerprint(self._opened[i], samples) != fp:
+                raise StateMismatchError(
+                    f"data loader source {i} ({now}) is not the source the checkpoint read there "
+                    f"({was}): its samples differ; {hint}")
+
+    def restore_shards(self, entries: dict[str, Any]) -> None:
+        if REPLICATED not in entries:
+            raise StateMismatchError("the checkpoint holds no state for this data loader")
         if self.batches or self._procs:
             raise StateMismatchError("load the data loader's state before iterating it")
+        try:
+            saved = Layout.from_dict(entries[REPLICATED])
+            fingerprints = entries[REPLICATED].get("fingerprints")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"the data loader's saved layout is malformed: {exc!r}") from None
+        self._check_sources(saved, fingerprints)
         sizes = self._sizes
+        validate_layout(saved, sizes)
         own = f"shard/{self.dp_size}/{self.dp_rank}"
         same_layout = (saved.dp_size == self.dp_size and saved.workers == self.layout.workers
                        and saved.window == self.layout.window and own in entries)
         saved.sources, saved.ratios = list(self.layout.sources), list(self.layout.ratios)
         if same_layout:
-            shard = entries[own]
+            states, rotation, batches = validate_shard(entries[own], self.dp_rank, saved, self._opened)
             self.layout = saved
-            self._states = [StreamState.from_dict(s) for s in shard["streams"]]
-            self._rotation = {"next": int(shard["rotation"]["next"]),
-                              "finished": [bool(f) for f in shard["rotation"]["finished"]]}
-            self.batches = int(shard["batches"])
+            self._states = states
+            self._rotation = rotation
+            self.batches = batches
             return
-        shards = {int(k.rsplit("/", 1)[1]): v for k, v in entries.items()
+        shards = {k.rsplit("/", 1)[1]: v for k, v in entries.items()
                   if k.startswith(f"shard/{saved.dp_size}/")}
-        if sorted(shards) != list(range(saved.dp_size)):
+        ranks = sorted(int(r) for r in shards if r.isdigit())
+        if ranks != list(range(saved.dp_size)):
             raise StateMismatchError(
                 f"resharding the data loader needs all {saved.dp_size} saved DP shards; the "
-                f"checkpoint has {sorted(shards)}"
+                f"checkpoint has {ranks}"
             )
-        states = [StreamState.from_dict(s) for r in sorted(shards) for s in shards[r]["streams"]]
+        states = [s for r in ranks for s in validate_shard(shards[str(r)], r, saved, self._opened)[0]]
         saved.window = self.layout.window
         layout, new_states = reshard(saved, states, sizes, self.dp_size, self.layout.workers)
         self.layout = layout

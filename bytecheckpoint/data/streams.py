@@ -303,3 +303,103 @@ def reshard(layout: Layout, states: Sequence[StreamState], sizes: Sequence[int],
                                       np.array([b for _, b, _ in p], dtype=np.int64),
                                       np.array([t.size for _, _, t in p], dtype=np.int64))))
     return new, out
+
+
+# -- checks of a saved state ---------------------------------------------------------------
+def source_fingerprint(source: TokenSource, samples: int | None = None) -> dict[str, Any]:
+    """A cheap identity of a source's first ``samples`` samples (default: all): their count
+    and a hash of their offsets and of the first and last tokens. Appending samples keeps
+    the fingerprint of the old ones."""
+    import hashlib
+
+    n = len(source) if samples is None else samples
+    end = int(source.offsets[n])
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.ascontiguousarray(source.offsets[: n + 1], dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(source.tokens[: min(end, 1024)], dtype="<i4").tobytes())
+    h.update(np.ascontiguousarray(source.tokens[max(0, end - 1024) : end], dtype="<i4").tobytes())
+    return {"samples": int(n), "blake2b": h.hexdigest()}
+
+
+def _corrupt(field_name: str, why: str) -> Exception:
+    from ..errors import CorruptCheckpointError
+
+    return CorruptCheckpointError(f"the data loader's saved state is damaged: {field_name} {why}")
+
+
+def validate_layout(layout: Layout, sizes: Sequence[int]) -> None:
+    """Range checks of the replicated part against the sources (``sizes``: samples each)."""
+    for name in ("window", "workers", "dp_size"):
+        if getattr(layout, name) < 1:
+            raise _corrupt(f"replicated.{name}", f"is {getattr(layout, name)}, not >= 1")
+    if layout.buffer_tokens < 0 or layout.generation < 0:
+        raise _corrupt("replicated.buffer_tokens/generation", "is negative")
+    if len(layout.frontiers) != len(sizes) or len(layout.skips) != len(sizes):
+        raise _corrupt("replicated.frontiers/skips", f"do not hold one entry per source ({len(sizes)})")
+    for s, (frontier, skips, size) in enumerate(zip(layout.frontiers, layout.skips, sizes)):
+        if not 0 <= frontier <= size:
+            raise _corrupt(f"replicated.frontiers[{s}]", f"is {frontier}, outside 0..{size}")
+        if skips.ndim != 1 or (skips.size and (skips[0] < frontier or skips[-1] >= size
+                                               or np.any(np.diff(skips) <= 0))):
+            raise _corrupt(f"replicated.skips[{s}]",
+                           f"is not an increasing list of sample indices in {frontier}..{size - 1}")
+
+
+def validate_shard(shard: Any, rank: int, layout: Layout, sources: Sequence[TokenSource],
+                   ) -> tuple[list[StreamState], dict[str, Any], int]:
+    """Decode and range-check one DP rank's saved shard: its streams, rotation and batches."""
+    try:
+        streams = [StreamState.from_dict(s) for s in shard["streams"]]
+        rotation = {"next": int(shard["rotation"]["next"]),
+                    "finished": [bool(f) for f in shard["rotation"]["finished"]]}
+        batches = int(shard["batches"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise _corrupt(f"shard {rank}", f"is malformed ({exc!r})") from None
+    w = layout.workers
+    ids = [s.stream for s in streams]
+    if ids != list(range(rank * w, (rank + 1) * w)):
+        raise _corrupt(f"shard {rank} stream ids", f"are {ids}, not {rank * w}..{(rank + 1) * w - 1}")
+    if not 0 <= rotation["next"] < w:
+        raise _corrupt(f"shard {rank} rotation.next", f"is {rotation['next']}, outside 0..{w - 1}")
+    if len(rotation["finished"]) != w:
+        raise _corrupt(f"shard {rank} rotation.finished", f"holds {len(rotation['finished'])} flags, not {w}")
+    if batches < 0:
+        raise _corrupt(f"shard {rank} batches", f"is {batches}")
+    G, nsrc = layout.streams, len(sources)
+    for st in streams:
+        where = f"shard {rank} stream {st.stream}"
+        if len(st.cursors) != nsrc:
+            raise _corrupt(f"{where} cursors", f"hold {len(st.cursors)} entries, not one per source ({nsrc})")
+        for s, c in enumerate(st.cursors):
+            most = max(0, -(-(len(sources[s]) - layout.frontiers[s] - st.stream) // G))
+            if not 0 <= c <= most:
+                raise _corrupt(f"{where} cursors[{s}]", f"is {c}, outside 0..{most}")
+        if st.windows < 0:
+            raise _corrupt(f"{where} windows", f"is {st.windows}")
+        try:
+            np.random.default_rng().bit_generator.state = st.rng
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _corrupt(f"{where} rng", f"is not a generator state ({exc!r})") from None
+        p = st.pieces
+        if (st.tokens.ndim != 1 or p.ids.ndim != 1 or not p.ids.size == p.starts.size == p.lengths.size):
+            raise _corrupt(f"{where} ids/starts/lengths", "are not lists of one length")
+        if p.lengths.size and int(p.lengths.min()) < 1:
+            raise _corrupt(f"{where} lengths", "hold a length < 1")
+        if int(p.lengths.sum()) != st.tokens.size:
+            raise _corrupt(f"{where} lengths",
+                           f"sum to {int(p.lengths.sum())}, the buffer holds {st.tokens.size} tokens")
+        if p.starts.size and int(p.starts.min()) < 0:
+            raise _corrupt(f"{where} starts", "hold a negative start")
+        src, idx = p.ids >> ID_BITS, p.ids & ((1 << ID_BITS) - 1)
+        if p.ids.size and (int(p.ids.min()) < 0 or int(src.max()) >= nsrc):
+            raise _corrupt(f"{where} ids", f"name a source outside 0..{nsrc - 1}")
+        for s in np.unique(src):
+            sel = src == s
+            off = sources[int(s)].offsets
+            i = idx[sel]
+            if int(i.max()) >= len(sources[int(s)]):
+                raise _corrupt(f"{where} ids",
+                               f"name a sample beyond source {int(s)}'s {len(sources[int(s)])}")
+            if np.any(p.starts[sel] + p.lengths[sel] > off[i + 1] - off[i]):
+                raise _corrupt(f"{where} starts/lengths", f"run past the end of a sample of source {int(s)}")
+    return streams, rotation, batches
