@@ -13,9 +13,6 @@ from typing import Any
 import pytest
 
 import telemetry
-from telemetry import config
-from telemetry.context import reset_context
-from telemetry.emitter import DEFAULT_QUEUE_SIZE
 from telemetry.sinks import Sink, read_spool
 
 EVENT_KEYS = {
@@ -42,16 +39,6 @@ EVENT_KEYS = {
 }
 
 
-@pytest.fixture
-def spool(tmp_path: Path):
-    spool_dir = tmp_path / "spool"
-    reset_context()
-    # Pin everything the environment could override so the tests are deterministic.
-    telemetry.configure(spool_dir=spool_dir, enabled=True, queue_size=DEFAULT_QUEUE_SIZE)
-    yield spool_dir
-    telemetry.flush()
-    config.reset()
-    reset_context()
 
 
 def _events(spool_dir: Path) -> list[dict[str, Any]]:

@@ -31,15 +31,6 @@ from telemetry.sinks.segments import CHECK_EVERY, SegmentLog, encode_line
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def spool(tmp_path: Path):
-    spool_dir = tmp_path / "spool"
-    reset_context()
-    telemetry.configure(spool_dir=spool_dir, enabled=True, queue_size=DEFAULT_QUEUE_SIZE)
-    yield spool_dir
-    telemetry.flush()
-    config.reset()
-    reset_context()
 
 
 def _delta(before: dict[str, int], key: str) -> int:
