@@ -29,12 +29,12 @@ from telemetry import span
 from ..commit import save_lock
 from ..commit.integrity import metadata_identity
 from ..commit.leases import is_being_read, is_pinned
-from ..commit.protocol import read_latest
+from ..commit.protocol import LATEST_FILE
 from ..errors import CheckpointError
 from ..format.metadata import METADATA_FILE
 from ..storage import Storage
 from ..storage.local import fsync_dir
-from .catalog import CheckpointInfo, cold_references, cold_target, describe, inside
+from .catalog import CheckpointInfo, cold_references, cold_target, describe, inside, latest_of
 from .journal import Journal
 from .protection import untouchable_reason
 
@@ -196,8 +196,12 @@ def delete_on_storage(storage: Storage, ckpt: CheckpointInfo, *, cold_in_place: 
         if is_pinned(storage, path) or is_being_read(storage, path):
             raise DeletionRefusedError(f"{ckpt.url}: pinned or being read since the decision; kept")
         _refuse_if_changed(ckpt.url, ckpt, metadata_identity(storage, path))
-        if not requested and _names_latest(storage, path):
-            raise DeletionRefusedError(f"{ckpt.url}: named by latest since the decision; kept")
+        if not requested:
+            # An unreadable pointer protects every checkpoint of its run, as at the scan.
+            parent, name = posixpath.split(path.rstrip("/"))
+            latest, problem = latest_of(storage, parent, [LATEST_FILE])
+            if problem is not None or latest == name:
+                raise DeletionRefusedError(f"{ckpt.url}: named by latest since the decision; kept")
         if ckpt.files:
             _refuse_if_foreign(ckpt.url, sorted(set(storage.list_dir(path)) - set(ckpt.files)))
         with span("tiering.delete", checkpoint=ckpt.url, path=ckpt.url, bytes=ckpt.size, step=ckpt.step):
@@ -205,19 +209,6 @@ def delete_on_storage(storage: Storage, ckpt: CheckpointInfo, *, cold_in_place: 
             storage.delete(path)
     finally:
         lock.release()
-
-
-def _names_latest(storage: Storage, path: str) -> bool:
-    """Whether the run's ``latest`` pointer names the checkpoint at ``path`` (or cannot be
-    read: then which one it protects is unknown, and this one is kept too)."""
-    parent, name = posixpath.split(path.rstrip("/"))
-    try:
-        found = read_latest(storage, parent)
-    except FileNotFoundError:
-        return False
-    except Exception:  # unreadable: the checkpoint it protects is unknown
-        return True
-    return found is not None and found.name == name
 
 
 def recover_deletion(hot_root: str, cold_root: str | None, rec: dict) -> None:
