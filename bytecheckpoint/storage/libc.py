@@ -48,6 +48,8 @@ def exchange(a: str, b: str) -> bool:
     """Swap the directory entries ``a`` and ``b`` in one step (``renameat2(RENAME_EXCHANGE)``):
     at every moment each path names one of the two. False where the C library or the file
     system cannot (the caller then renames in two steps); raises OSError for anything else."""
+    if "\0" in a or "\0" in b:  # a C string would end there, naming another path
+        raise ValueError(f"embedded null byte in {a!r} or {b!r}")
     fn = function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                                 ctypes.c_uint], ctypes.c_int)
     if fn is None:

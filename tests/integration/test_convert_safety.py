@@ -117,3 +117,18 @@ def test_overwrite_swaps_in_one_step_where_it_can(tmp_path, src, monkeypatch):
     convert.to_dcp(str(tmp_path / "src"), dst, max_memory=1 << 20, overwrite=True)
     assert torch.equal(_load_dcp(dst)["weight"], _model(1).weight)
     assert sorted(set(os.listdir(tmp_path)) - {"latest"}) == ["dst", "src"]
+
+
+def test_exchange_swaps_two_directories_and_refuses_a_null_byte(tmp_path):
+    from bytecheckpoint.storage.libc import exchange
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_text("A")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("B")
+    if exchange(str(tmp_path / "a"), str(tmp_path / "b")):
+        assert (tmp_path / "a" / "x").read_text() == "B" and (tmp_path / "b" / "x").read_text() == "A"
+    with pytest.raises(ValueError, match="null byte"):  # the C string would name another path
+        exchange(f"{tmp_path}/a\0/b", str(tmp_path / "b"))
+    with pytest.raises(FileNotFoundError):
+        exchange(str(tmp_path / "a"), str(tmp_path / "missing"))
