@@ -8,13 +8,15 @@ exit a pending save is finished, and a failure nobody looked at is printed.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import contextvars
+import os
 import queue
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -126,6 +128,17 @@ class SaveHandle:
 
 _PENDING: SaveHandle | None = None
 _LOCK = threading.Lock()
+# Held by the save() in its foreground, whichever thread called it. Reentrant: a save from a
+# signal handler on the saving thread goes ahead as it always did, rather than hang.
+_TURN = threading.RLock()
+
+
+@contextlib.contextmanager
+def save_turn() -> Iterator[None]:
+    """Saves called from several threads take turns: they share one staging arena, one plan
+    cache and one pending save, so two at once would copy into the same memory."""
+    with _TURN:
+        yield
 
 
 class _Worker:
@@ -183,11 +196,16 @@ def wait_pending() -> None:
     here (the handle still holds it); it does not stop the next save."""
     global _PENDING
     with _LOCK:
-        handle, _PENDING = _PENDING, None
+        handle = _PENDING
     if handle is None:
         return
     handle._confirm()  # this save() or load() comes after the caller's writes
     exc = handle._future.exception()
+    # Forgotten only once it is over: a wait cut short (Ctrl-C) leaves it pending, so the next
+    # save still waits before reusing the arena it may be writing from, and exit finishes it.
+    with _LOCK:
+        if _PENDING is handle:
+            _PENDING = None
     if handle._snapshot is not None:
         handle._snapshot.remove_module_hooks()
     if exc is not None and not handle._observed:
@@ -209,6 +227,18 @@ def _at_exit() -> None:
     if exc is not None and not handle._observed:
         print(f"bytecheckpoint: the async save to {handle.path} (step {handle.step}) failed: {exc}",
               file=sys.stderr)
+
+
+def _forget_in_child() -> None:
+    """A forked child (a fork-started DataLoader worker or ``multiprocessing.Process``) inherits
+    the parent's pending save but not the thread that runs it: waiting for it there, at the
+    child's exit or its first save, would never end. The save is the parent's to finish."""
+    global _PENDING, _LOCK, _TURN
+    _LOCK, _TURN = threading.Lock(), threading.RLock()  # a parent's thread may have held them
+    _PENDING = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _register_at_exit() -> None:

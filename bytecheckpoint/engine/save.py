@@ -74,7 +74,7 @@ from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
 from . import host_files, pieces_memo, snapshot, staging, staging_ring, write_through
-from .async_save import SaveHandle, launch_pending, set_pending, wait_pending
+from .async_save import SaveHandle, launch_pending, save_turn, set_pending, wait_pending
 from .host_files import HostLayout
 from .messages import (
     Assign,
@@ -503,6 +503,14 @@ class _Sources:
             self.thread = None
 
 
+def _detached(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """An overlapped save reads its sources after save() has returned. A source that is the
+    state's own tensor follows a ``.data =`` swap (``model.to(torch.float16)`` does one on a
+    frozen parameter): it would be read with the new bytes, size or dtype. A detached alias
+    keeps the storage of save() time and shares the version counter the checks read."""
+    return [v.detach() for v in views]
+
+
 def _stager(job: _Job, assignment: Assignment, views: list[torch.Tensor]) -> Stager:
     """The stager of this save: the whole share in one arena, or rounds through a bounded one."""
     flat = job.flat.tensors if job.flat is not None else {}
@@ -510,6 +518,7 @@ def _stager(job: _Job, assignment: Assignment, views: list[torch.Tensor]) -> Sta
     owners = [o if isinstance(o, torch.Tensor) else v for o, v in zip(owners, views)]
     names = [item.key for item in assignment.items]
     if job.opts.async_save and job.opts.snapshot == SnapshotMode.OVERLAPPED:
+        views = _detached(views)
         # Only here: finding a buffer walks every submodule of a model that has none.
         forward_waits = any(snapshot.waits_in_forward(m) for m in job.modules)
         if write_through.applies(views, job.storage, forward_waits, job.host is not None):
@@ -641,7 +650,9 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
     comm = job.comm
     try:
         name = "save.background" if job.opts.async_save else "save.finish"
-        with span(name, path=job.url, step=job.opts.step):
+        # Its own checkpoint scope: an async save's "save" span has ended by now, and the
+        # writes and commit (on this and the writers' threads) belong to this save and step.
+        with span(name, path=job.url, step=job.opts.step, checkpoint_op="save"):
             while True:
                 written, error = _write(job, assignment, sources, makedirs=hit)
                 if not hit:
@@ -732,12 +743,13 @@ def _start_overlapped(job: _Job, assignment: Assignment, hit: bool, sources: _So
 
 def save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:
     """Save ``state`` to ``url`` as :func:`bytecheckpoint.save` documents (``opts``: its options)."""
-    wait_pending()  # one save at a time: the arena and the save group are never shared
-    try:
-        with gc_paused():  # the foreground part: all of a synchronous save, an async one's snapshot
-            return _save(url, state, opts)
-    finally:
-        launch_pending()  # an overlapped save's copy and write (never left unstarted)
+    with save_turn():  # one save at a time, from any thread
+        wait_pending()  # the arena and the save group are never shared
+        try:
+            with gc_paused():  # the foreground part: all of a synchronous save, an async one's snapshot
+                return _save(url, state, opts)
+        finally:
+            launch_pending()  # an overlapped save's copy and write (never left unstarted)
 
 
 def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:

@@ -93,6 +93,15 @@ class Snapshot:
         self._confirm_lock = threading.Lock()
         self._module_hooks: list[Any] = []
 
+    def release_in_child(self) -> None:
+        """In a forked child: no thread copies or confirms there, so nothing may wait for
+        this snapshot (fresh events: a parent's thread may have held their locks)."""
+        for name in ("done", "queued", "confirmed"):
+            event = threading.Event()
+            event.set()
+            setattr(self, name, event)
+        self._confirm_lock = threading.Lock()
+
     def finished(self) -> None:
         self.queued.set()
         self.done.set()
@@ -220,6 +229,18 @@ def _before_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
     snap = _ACTIVE
     if snap is not None:
         snap.before_write()
+
+
+def _release_in_child() -> None:
+    """A forked child's optimizer steps and forwards never wait for the parent's snapshot."""
+    global _ACTIVE, _LOCK
+    _LOCK = threading.Lock()
+    snap, _ACTIVE = _ACTIVE, None
+    if snap is not None:
+        snap.release_in_child()
+
+
+os.register_at_fork(after_in_child=_release_in_child)
 
 
 def warn_if_graph_capturable(state: dict[str, Any]) -> None:
