@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -55,6 +55,7 @@ from ..runtime.devices import exchange_device
 from ..runtime.gc_pause import gc_paused
 from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
+from ..state.tensor_shard import TensorShard
 from ..storage import Storage
 from .coverage import add_read, check_coverage, check_shared_objects
 from .load_pipeline import BoxRead, Copy, LoadPipeline, Prefetch, direct_target
@@ -218,6 +219,7 @@ class _LocalPlan:
     problems: list[StateMismatchError]
     identity: bytes = b""  # digest of the metadata this load started from
     verify: bool = True  # False where the checkpoint stores no checksums (a DCP directory)
+    sharing: dict[str, str] = field(default_factory=dict)  # keys sharing memory (_sharing_memory)
 
 
 def _check_unchanged(storage: Storage, path: str, identity: bytes,
@@ -281,6 +283,83 @@ def _untied_into_tied(tensors: dict[str, Any], meta: CheckpointMetadata) -> dict
     return problems
 
 
+def _check_writable(key: str, value: Any) -> None:
+    """A target must have memory of its own for each element: a meta tensor has none, and one
+    whose elements are one memory location (``expand()``: stride 0) cannot hold a loaded value
+    (torch refused the copy with a bare RuntimeError after reading)."""
+    t = value.data if isinstance(value, TensorShard) else getattr(value, "_local_tensor", value)
+    if isinstance(t, torch.Tensor) and t.is_meta:
+        # Copies into a meta tensor do nothing: the load reported success and filled nothing.
+        raise StateMismatchError(
+            f"{key}: the tensor to load into is on the meta device (it has no memory); allocate "
+            "the model first (module.to_empty(device=...)), then load")
+    if isinstance(t, torch.Tensor) and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        raise StateMismatchError(
+            f"{key}: the tensor to load into repeats one memory location along a dimension (an "
+            "expand()ed view, stride 0), so it cannot hold the saved values; clone() it before loading")
+
+
+def _memory_of(value: Any) -> tuple[int, int, int, tuple[Any, ...]] | None:
+    """(storage address, first byte, end byte, view) of a target's memory; None when it has
+    none to tell (meta, fake, empty)."""
+    t = value.data if isinstance(value, TensorShard) else getattr(value, "_local_tensor", value)
+    if not isinstance(t, torch.Tensor) or not t.numel():
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if not ptr:
+        return None
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    item = t.element_size()
+    return ptr, t.storage_offset() * item, (last + 1) * item, (tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _sharing_memory(tensors: dict[str, Any]) -> dict[str, str]:
+    """Keys whose target memory overlaps another key's as a different view (a weight tied
+    through ``.t()``, two slices of one buffer), each with one such other key. Reads straight
+    into such memory checked one key's bytes after the other key's had landed there ("the file
+    is corrupt"), or one value silently overwrote the other's; identical views are
+    ``_untied_into_tied``'s. A sweep over byte extents, O(n log n)."""
+    spans = sorted(((*m, k) for k, v in tensors.items() if (m := _memory_of(v))),
+                   key=lambda span: span[:3])  # views hold dtypes, which do not order
+    out: dict[str, str] = {}
+    reach: tuple[int, int, Any, str] | None = None  # (storage, end byte, view, key) reaching furthest
+    for ptr, first, end, view, key in spans:
+        if reach is not None and reach[0] == ptr and first < reach[1] and view != reach[2]:
+            out.setdefault(key, reach[3])
+            out.setdefault(reach[3], key)
+        if reach is None or reach[0] != ptr or end > reach[1]:
+            reach = (ptr, end, view, key)
+    if out:  # a key tied to a marked one (the same view) reads into the same memory too
+        marked = {span[:4]: out[span[4]] for span in spans if span[4] in out}
+        for *where, key in spans:
+            if tuple(where) in marked:
+                out.setdefault(key, marked[tuple(where)])
+    return out
+
+
+def _check_shared_memory(reads: Iterable[BoxRead], sharing: dict[str, str]) -> None:
+    """Every value copied into memory that two keys share is still there once all copies are
+    done: else the checkpoint holds different values for the two keys (saved untied)."""
+    for read in reads:
+        for dst, src in read.kept or ():
+            if not torch.equal(_bytes_of(dst).cpu(), _bytes_of(src).cpu()):  # a CUDA target: src on the host
+                raise StateMismatchError(
+                    f"{read.key} and {sharing[read.key]} share memory in this state (one is a view "
+                    "of the other, e.g. a weight tied through .t(), or both are slices of one "
+                    "buffer) but the checkpoint holds different values for the shared elements; "
+                    "load into a state that does not share them, or leave one out and load with "
+                    "strict=False")
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The values' bytes, so NaNs and signed zeros compare exactly."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat
+
+
 def _open_checkpoint(url: str) -> tuple[Storage, str, CheckpointMetadata, bytes]:
     """Resolve ``url`` and read its metadata; an overwrite swapping the checkpoint in between
     the two hides the metadata for a moment, so a vanished file is looked up again."""
@@ -327,12 +406,14 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
     with span("load.plan"):
         tied = _untied_into_tied(flat.tensors, meta)
         problems.extend({id(e): e for e in tied.values()}.values())  # one per tied group
+        sharing = _sharing_memory(flat.tensors)
         for key, tensor in flat.tensors.items():
             tm = meta.tensor(key)
             if tm is None or key in tied:  # a key refused is never read into
                 continue
             try:
                 _check_tensor(key, tensor, tm.shape, tm.dtype, planner.global_shape(tensor))
+                _check_writable(key, tensor)
             except StateMismatchError as exc:
                 problems.append(exc)
                 continue
@@ -350,7 +431,10 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 lo, hi = _needed_range(saved, copies, dtype.itemsize, verify, meta.chunk_bytes)
                 read = BoxRead(key, saved.bytes.file, saved.bytes.byte_offset, saved.bytes.byte_length,
                                lo, hi, saved.bytes.checksums, dtype, saved.box, copies)
-                read.direct = direct_target(read)
+                if key in sharing:  # into its own buffer, copied in, checked after the load
+                    read.kept = []
+                else:
+                    read.direct = direct_target(read)
                 add_read(reads, (file_index[saved.bytes.file], saved.bytes.byte_offset), read, source)
         # Per-rank objects come from the same rank when the world is unchanged, else from
         # rank 0 (replicated values such as counters stay right; see docs/format.md).
@@ -369,7 +453,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
         check_shared_objects(meta, flat.shared_objects, source)
         check_coverage(wanted_targets, reads.values(), source)
     needs = [Need(f, r.byte_offset, r.byte_length, r.lo, r.hi) for (f, _), r in reads.items()]
-    return _LocalPlan(storage, path, meta, flat, reads, needs, problems, identity, verify)
+    return _LocalPlan(storage, path, meta, flat, reads, needs, problems, identity, verify, sharing)
 
 
 def _check_files(plan: _LocalPlan) -> None:
@@ -570,6 +654,7 @@ def _load_planned(url: str, state: dict[str, Any], framework: str | None, strict
     _check_unchanged(plan.storage, plan.path, plan.identity, outcome.error)
     if outcome.error is not None:
         raise outcome.error
+    _check_shared_memory(plan.reads.values(), plan.sharing)
 
     t = time.perf_counter()
     with span("load.apply"):

@@ -74,6 +74,9 @@ class BoxRead:
     copies: list[Copy] = field(default_factory=list)
     direct: torch.Tensor | None = None  # target bytes to read straight into
     buffer: torch.Tensor | None = None
+    # (target view, copy of the values put there) of each copy, kept when the target shares
+    # memory with another key's: the load checks afterwards that no other copy overwrote them.
+    kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def direct_target(read: BoxRead) -> torch.Tensor | None:
@@ -125,6 +128,8 @@ def copy_out(read: BoxRead, non_blocking: bool = False) -> None:
                 dst.copy_(src, non_blocking=non_blocking)
         else:
             dst.copy_(src)
+        if read.kept is not None:
+            read.kept.append((dst, src.clone()))
 
 
 def follows(start: int, end: int) -> bool:

@@ -58,6 +58,10 @@ class DTensorPlanner(Planner):
             return replicated_full(tensor)
         box = dtensor_box(tensor)
         local = local_tensor(tensor)
+        if tuple(local.shape) != box.lengths and local.numel() == 0 == box.numel:
+            # FSDP2 gives a rank that holds none of a tensor with a zero-size dimension (e.g. a
+            # TP shard of 3 columns on 4 ranks) a (0, 0) local tensor: the same nothing.
+            local = local.reshape(box.lengths)
         if tuple(local.shape) != box.lengths:
             raise UnsupportedStateError(
                 f"{key}: local shard shape {tuple(local.shape)} does not match the box "
