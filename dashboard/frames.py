@@ -101,7 +101,9 @@ def heatmap_cells(phases: pd.DataFrame, op: str, phase: str, metric: str) -> pd.
     if metric == "duration":
         value = chosen["duration_s"]
     else:
-        value = (chosen["bytes"] / chosen["duration_s"].where(chosen["duration_s"] > 0)).astype(float)
+        # Wall time, not summed busy time: a rank's files are written on several threads at once.
+        seconds = chosen["duration_s"].clip(upper=chosen["end_ts"] - chosen["start_ts"])
+        value = (chosen["bytes"] / seconds.where(seconds > 0)).astype(float)
     ranks["value"] = ranks["rank"].map(value).astype(float)
     ranks["breakdown"] = ranks["rank"].map(_breakdowns(phases)).fillna("")
     return ranks

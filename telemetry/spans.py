@@ -120,6 +120,7 @@ class Span:
 
     __slots__ = (
         "_active",
+        "_opens_scope",
         "_parent",
         "_scope",
         "_t0",
@@ -144,7 +145,9 @@ class Span:
         self.outcome: str | None = None
         self.error: str | None = None
         self._parent: Span | None = None
-        self._scope: tuple[str | None, str | None] | None = None
+        # (checkpoint, checkpoint_op, step) of the save / load this span works for.
+        self._scope: tuple[str | None, str | None, Any] | None = None
+        self._opens_scope = False
         self._token: Token[Span | None] | None = None
         self._t0 = 0.0
         self._active = False
@@ -179,7 +182,7 @@ class Span:
         self.duration_s = time.perf_counter() - self._t0
         self._active = False
         self._restore_parent()
-        if self.name in _SCOPE_NAMES:
+        if self._opens_scope:
             with contextlib.suppress(ValueError):  # list.remove on a scope already gone
                 _open_scopes.remove(self)
         if exc_type is None:
@@ -202,8 +205,12 @@ class Span:
 
     def _enter_scope(self, parent: Span | None) -> None:
         fields = self.fields
-        if self.name in _SCOPE_NAMES:
-            self._scope = (_as_str(fields.get("checkpoint", fields.get("path"))), self.name)
+        # An explicit checkpoint_op= opens a scope too: an async save's background work runs
+        # after its "save" span has ended, on threads that cannot see that span.
+        self._opens_scope = self.name in _SCOPE_NAMES or "checkpoint_op" in fields
+        if self._opens_scope:
+            self._scope = (_as_str(fields.get("checkpoint", fields.get("path"))),
+                           _as_str(fields.get("checkpoint_op", self.name)), fields.get("step"))
             # list.append is atomic under the GIL; readers only look at the last item.
             _open_scopes.append(self)
             return
@@ -215,7 +222,7 @@ class Span:
             except IndexError:
                 inherited = None
         if "checkpoint" in fields:
-            inherited = (_as_str(fields["checkpoint"]), inherited[1] if inherited else None)
+            inherited = (_as_str(fields["checkpoint"]), inherited[1] if inherited else None, None)
         self._scope = inherited
 
     def _restore_parent(self) -> None:
@@ -243,7 +250,12 @@ class Span:
         }
         event.update(columns)
         scope = self._scope
-        event["checkpoint"], event["checkpoint_op"] = scope if scope is not None else (None, None)
+        if scope is None:
+            event["checkpoint"] = event["checkpoint_op"] = None
+        else:
+            event["checkpoint"], event["checkpoint_op"], step = scope
+            if step is not None:  # the save's step, not the one training has moved on to
+                event["step"] = step if type(step) in _PLAIN_TYPES else _jsonable(step)
         # Extra set_context() fields travel with the event but outside the fixed columns.
         attrs: dict[str, Any] = dict(extras) if extras else {}
         for key, value in self.fields.items():

@@ -101,13 +101,15 @@ class ManagedStorage(StorageWrapper):
         fields: dict[str, object] = {"op": op, "backend": self.scheme, "path": redact(self.url(path))}
         fields.update(extra or {})
         if nbytes is not None:
-            fields["bytes"] = nbytes
+            # A read's bytes are those it got (set below), not the buffer's size: a missing
+            # file or a short read at the end of one moved fewer.
+            fields["requested_bytes" if op == "read_into" else "bytes"] = nbytes
         missing: FileNotFoundError | None = None
         with span(_EVENT_NAMES.get(op, f"storage.{op}"), **fields) as event:
             try:
                 value, attempts = self._retry(op, path, fn, event)
             except FileNotFoundError as exc:
-                event.set(found=False, attempt=getattr(exc, "attempts", 1))
+                event.set(found=False, attempt=getattr(exc, "attempts", 1), bytes=0)
                 missing = exc
             else:
                 event.set(attempt=attempts)

@@ -13,7 +13,7 @@ process can open). Rules file::
       - {type: uncommitted, deadline_s: 900}
 """
 
-from telemetry.alerts.base import Alert, AllRule, AnyRule, Context, Window
+from telemetry.alerts.base import Alert, AlertConfigError, AllRule, AnyRule, Context, Window
 from telemetry.alerts.engine import RuleSet, Scheduler, evaluate, load_rules
 from telemetry.alerts.failures import FailedOps
 from telemetry.alerts.slow_rank import SlowRank
@@ -22,6 +22,7 @@ from telemetry.alerts.uncommitted import Uncommitted
 
 __all__ = [
     "Alert",
+    "AlertConfigError",
     "AllRule",
     "AnyRule",
     "Context",

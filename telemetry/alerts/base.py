@@ -14,6 +14,11 @@ from datetime import datetime, timezone
 from typing import Any, ClassVar, Protocol
 
 
+class AlertConfigError(ValueError):
+    """The alert rules' configuration is wrong (an unknown rule or setting, a value of the wrong
+    type or out of range); the message names the setting. Fix the rules file."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Context:
     """Inputs besides the data: the evaluation time (seconds since the epoch)."""
@@ -23,7 +28,7 @@ class Context:
 
 @dataclass(frozen=True)
 class Window:
-    """Per (job, run, checkpoint, op, rank, phase) rows, as ``queries.rank_phases`` returns them.
+    """Per (job, run, checkpoint, op, step, rank, phase) rows, as ``queries.rank_phases`` returns them.
 
     Keys used by the rules: job, run, checkpoint, op, rank, phase, step, spans, duration_s,
     bytes, errors, retries, start_ts, end_ts, sample_error.
@@ -87,7 +92,7 @@ class AnyRule:
 
 @dataclass(frozen=True)
 class AllRule:
-    """The first rule's alerts whose (job, run, checkpoint, rank) every other rule also flags."""
+    """The first rule's alerts whose (job, run, checkpoint, step, rank) every other rule also flags."""
 
     rules: tuple[Rule, ...]
     name: ClassVar[str] = "all"
@@ -98,7 +103,7 @@ class AllRule:
         results = [rule.evaluate(window, context=context) for rule in self.rules]
 
         def where(alert: Alert) -> tuple[Any, ...]:
-            return (alert.job, alert.run, alert.checkpoint, alert.rank)
+            return (alert.job, alert.run, alert.checkpoint, alert.step, alert.rank)
 
         common = set.intersection(*({where(a) for a in alerts} for alerts in results))
         return [alert for alert in results[0] if where(alert) in common]

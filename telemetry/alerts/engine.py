@@ -5,13 +5,14 @@ write them to the alerts table, log them, and post them to a webhook if one is c
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from telemetry.alerts.base import Alert, AllRule, AnyRule, Context, Rule, Window
+from telemetry.alerts.base import Alert, AlertConfigError, AllRule, AnyRule, Context, Rule, Window
 from telemetry.alerts.failures import FailedOps
 from telemetry.alerts.outbox import DEFAULT_BACKOFF_S, DEFAULT_MAX_ATTEMPTS, Delivery, deliver, enqueue
 from telemetry.alerts.slow_rank import SlowRank
@@ -50,25 +51,65 @@ class RuleSet:
                         max_attempts=self.webhook_max_attempts, backoff_s=self.webhook_backoff_s)
 
 
+def _number(where: str, value: Any, *, whole: bool = False, positive: bool = False) -> float:
+    """A finite number >= 0 (> 0 when ``positive``); a quoted "3.5" or a NaN would otherwise
+    fail every evaluation, or silently never alert."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0) or (whole and not float(value).is_integer()):
+        kind = "a whole number" if whole else "a number"
+        bound = "> 0" if positive else ">= 0"
+        raise AlertConfigError(f"{where} must be {kind} {bound}, got {value!r}")
+    return value
+
+
+def _setting(where: str, default: Any, value: Any) -> Any:
+    """``value`` checked against the type of the setting's default."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise AlertConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, (int, float)):
+        return type(default)(_number(where, value, whole=isinstance(default, int)))
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise AlertConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        items = [value] if isinstance(value, str) else value  # one name, not its characters
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+            raise AlertConfigError(f"{where} must be a list of strings, got {value!r}")
+        return tuple(items)  # hashable, so the rule dataclasses stay frozen
+    return value
+
+
 def build_rule(spec: dict[str, Any]) -> Rule:
     """``{"type": "slow_rank", "z": 3.0}`` -> SlowRank(z=3.0); "any"/"all" take ``rules: [...]``."""
     kinds = ", ".join([*RULE_TYPES, "any", "all"])
     if not isinstance(spec, dict) or "type" not in spec:
-        raise ValueError(f"alert rule {spec!r} needs a 'type' (one of {kinds})")
+        raise AlertConfigError(f"alert rule {spec!r} needs a 'type' (one of {kinds})")
     params = {k: v for k, v in spec.items() if k != "type"}
     kind = spec["type"]
     if kind in ("any", "all"):
-        members = tuple(build_rule(s) for s in params.get("rules", []))
+        extra = sorted(set(params) - {"rules"})
+        if extra:
+            raise AlertConfigError(f"alert rule {kind}: unknown setting(s) {extra}; valid: ['rules']")
+        members = tuple(build_rule(s) for s in _rule_list(f"alert rule {kind}", params.get("rules", [])))
         return AnyRule(members) if kind == "any" else AllRule(members)
-    cls = RULE_TYPES.get(kind)
+    cls = RULE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ValueError(f"unknown alert rule type {kind!r}; known: {kinds}")
-    known = {f.name for f in fields(cls)}
-    unknown = set(params) - known
+        raise AlertConfigError(f"unknown alert rule type {kind!r}; known: {kinds}")
+    defaults = {f.name: f.default for f in fields(cls)}
+    unknown = set(params) - set(defaults)
     if unknown:
-        raise ValueError(f"alert rule {kind}: unknown setting(s) {sorted(unknown)}; valid: {sorted(known)}")
-    # YAML lists become tuples so the rule dataclasses stay hashable and frozen.
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
+        raise AlertConfigError(f"alert rule {kind}: unknown setting(s) {sorted(unknown)}; "
+                               f"valid: {sorted(defaults)}")
+    return cls(**{k: _setting(f"alert rule {kind}: {k}", defaults[k], v) for k, v in params.items()})
+
+
+def _rule_list(where: str, rules: Any) -> list[Any]:
+    if not isinstance(rules, list):
+        raise AlertConfigError(f"{where}: 'rules' must be a list of rules, got {rules!r}")
+    return rules
 
 
 _CONFIG_KEYS = ("window_s", "webhook", "webhook_timeout_s", "webhook_max_attempts", "webhook_backoff_s",
@@ -78,14 +119,20 @@ _CONFIG_KEYS = ("window_s", "webhook", "webhook_timeout_s", "webhook_max_attempt
 def rules_from_config(config: dict[str, Any]) -> RuleSet:
     unknown = set(config) - set(_CONFIG_KEYS)
     if unknown:
-        raise ValueError(f"alert config: unknown key(s) {sorted(unknown)}; valid: {', '.join(_CONFIG_KEYS)}")
-    rule = AnyRule(tuple(build_rule(spec) for spec in config.get("rules", [])))
-    attempts = int(config.get("webhook_max_attempts", DEFAULT_MAX_ATTEMPTS))
-    if attempts < 1:
-        raise ValueError("alert config: webhook_max_attempts must be at least 1")
-    return RuleSet(rule, float(config.get("window_s", 86400)), config.get("webhook") or None,
-                   float(config.get("webhook_timeout_s", 5.0)), attempts,
-                   float(config.get("webhook_backoff_s", DEFAULT_BACKOFF_S)))
+        raise AlertConfigError(f"alert config: unknown key(s) {sorted(unknown)}; "
+                               f"valid: {', '.join(_CONFIG_KEYS)}")
+    rule = AnyRule(tuple(build_rule(spec) for spec in _rule_list("alert config", config.get("rules", []))))
+    attempts = config.get("webhook_max_attempts", DEFAULT_MAX_ATTEMPTS)
+    if _number("alert config: webhook_max_attempts", attempts, whole=True) < 1:
+        raise AlertConfigError("alert config: webhook_max_attempts must be at least 1")
+    webhook = config.get("webhook") or None
+    if webhook is not None and not isinstance(webhook, str):
+        raise AlertConfigError(f"alert config: webhook must be a URL, got {webhook!r}")
+    window_s = _number("alert config: window_s", config.get("window_s", 86400), positive=True)
+    timeout_s = _number("alert config: webhook_timeout_s", config.get("webhook_timeout_s", 5.0),
+                        positive=True)
+    backoff_s = _number("alert config: webhook_backoff_s", config.get("webhook_backoff_s", DEFAULT_BACKOFF_S))
+    return RuleSet(rule, float(window_s), webhook, float(timeout_s), int(attempts), float(backoff_s))
 
 
 def load_rules(path: str | Path | None) -> RuleSet:
@@ -98,9 +145,9 @@ def load_rules(path: str | Path | None) -> RuleSet:
     try:
         config = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise ValueError(f"alert rules file {path} is not valid YAML: {exc}") from exc
+        raise AlertConfigError(f"alert rules file {path} is not valid YAML: {exc}") from exc
     if not isinstance(config, dict):
-        raise ValueError(f"alert rules file {path} must hold a mapping with a 'rules' list")
+        raise AlertConfigError(f"alert rules file {path} must hold a mapping with a 'rules' list")
     return rules_from_config(config)
 
 

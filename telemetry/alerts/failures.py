@@ -16,8 +16,8 @@ class FailedOps:
 
     def evaluate(self, window: Window, *, context: Context) -> list[Alert]:
         alerts = []
-        groups = group_rows(window.rows, "job", "run", "checkpoint", "op", "phase")
-        for (job, run, ckpt, op, phase), group in groups.items():
+        groups = group_rows(window.rows, "job", "run", "checkpoint", "op", "step", "phase")
+        for (job, run, ckpt, op, step, phase), group in groups.items():
             errors = {r["rank"]: int(r.get("errors") or 0) for r in group if r.get("errors")}
             retries = {r["rank"]: int(r.get("retries") or 0) for r in group if r.get("retries")}
             where = f"{op} {ckpt}" if ckpt else "outside a checkpoint"
@@ -26,7 +26,7 @@ class FailedOps:
                 alerts.append(Alert(
                     rule=self.name, severity="error", job=job, run=run, checkpoint=ckpt or "",
                     checkpoint_op=op or "", phase=phase, rank=min(errors), value=sum(errors.values()),
-                    threshold=0, subject=("error", phase),
+                    step=step, threshold=0, subject=("error", step, phase),
                     message=(f"{sum(errors.values())} failed {phase} span(s) in {where} on ranks "
                              f"{sorted(errors)}: {sample}"),
                     details={"errors_by_rank": errors},
@@ -36,7 +36,7 @@ class FailedOps:
                 alerts.append(Alert(
                     rule=self.name, severity="warning", job=job, run=run, checkpoint=ckpt or "",
                     checkpoint_op=op or "", phase=phase, rank=min(retries), value=total_retries,
-                    threshold=self.min_retries, subject=("retry", phase),
+                    step=step, threshold=self.min_retries, subject=("retry", step, phase),
                     message=f"{total_retries} retried {phase} op(s) in {where} on ranks {sorted(retries)}",
                     details={"retries_by_rank": retries},
                 ))

@@ -35,8 +35,8 @@ class SlowRank:
         rows = [r for r in window.rows if r.get("checkpoint") and r.get("phase") not in SCOPE_SPANS
                 and str(r.get("phase", "")).startswith(self.phase_prefixes)]
         flagged: dict[tuple, list[dict]] = {}
-        for (job, run, ckpt, op, phase), group in group_rows(
-            rows, "job", "run", "checkpoint", "op", "phase"
+        for (job, run, ckpt, op, step, phase), group in group_rows(
+            rows, "job", "run", "checkpoint", "op", "step", "phase"
         ).items():
             per_rank = {r["rank"]: float(r["duration_s"]) for r in group if r.get("rank") is not None}
             if len(per_rank) < self.min_ranks:
@@ -45,22 +45,21 @@ class SlowRank:
             median = statistics.median(values)
             mad = statistics.median(abs(v - median) for v in values)
             scale = max(mad, self.mad_floor_s, self.mad_floor_frac * median)
-            step = next((r.get("step") for r in group if r.get("step") is not None), None)
             for rank, value in per_rank.items():
                 score = 0.6745 * (value - median) / scale
                 if (score > self.z and value >= self.min_ratio * median
                         and value - median >= self.min_excess_s):
-                    flagged.setdefault((job, run, ckpt, op, rank), []).append(
+                    flagged.setdefault((job, run, ckpt, op, step, rank), []).append(
                         {"phase": phase, "duration_s": value, "median_s": median, "z": score,
                          "ranks": len(per_rank), "step": step})
         alerts = []
-        for (job, run, ckpt, op, rank), phases in sorted(flagged.items(), key=lambda kv: str(kv[0])):
+        for (job, run, ckpt, op, step, rank), phases in sorted(flagged.items(), key=lambda kv: str(kv[0])):
             worst = max(phases, key=lambda p: p["duration_s"] - p["median_s"])
             ratio = worst["duration_s"] / worst["median_s"] if worst["median_s"] > 0 else float("inf")
             alerts.append(Alert(
                 rule=self.name, severity=self.severity, job=job, run=run, checkpoint=ckpt,
                 checkpoint_op=op, phase=worst["phase"], rank=rank, step=worst["step"],
-                value=worst["z"], threshold=self.z, subject=(rank,),
+                value=worst["z"], threshold=self.z, subject=(step, rank),
                 message=(f"rank {rank} is slow in {worst['phase']} of {op} {ckpt}: "
                          f"{worst['duration_s']:.3f} s vs median {worst['median_s']:.3f} s over "
                          f"{worst['ranks']} ranks ({ratio:.1f}x, modified z {worst['z']:.1f})"),

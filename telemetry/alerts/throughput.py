@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from telemetry.alerts.base import Alert, Context, Window, group_rows
 from telemetry.schema import THROUGHPUT_PHASES
 
 MB = 1_000_000
+
+
+def io_seconds(row: dict[str, Any]) -> float:
+    """Wall seconds a rank spent in an I/O phase: its spans' summed time, but no more than its
+    first start to last end, since a rank writes its files (and reads its ranges) on several
+    threads at once and the sum would count overlapping time twice."""
+    busy = float(row.get("duration_s") or 0.0)
+    start, end = row.get("start_ts"), row.get("end_ts")
+    if start is None or end is None:
+        return busy
+    return min(busy, max(0.0, float(end) - float(start)))
 
 
 @dataclass(frozen=True)
@@ -22,21 +33,21 @@ class LowThroughput:
 
     def evaluate(self, window: Window, *, context: Context) -> list[Alert]:
         rows = [r for r in window.rows if r.get("phase") in self.phases
-                and (r.get("bytes") or 0) >= self.min_bytes and (r.get("duration_s") or 0) > 0]
+                and (r.get("bytes") or 0) >= self.min_bytes and io_seconds(r) > 0]
         alerts = []
-        for (job, run, ckpt, op, phase), group in group_rows(
-            rows, "job", "run", "checkpoint", "op", "phase"
+        for (job, run, ckpt, op, step, phase), group in group_rows(
+            rows, "job", "run", "checkpoint", "op", "step", "phase"
         ).items():
-            slow = sorted(((r["bytes"] / r["duration_s"] / MB, r["rank"], r) for r in group
-                           if r["bytes"] / r["duration_s"] / MB < self.min_mb_s), key=lambda t: t[0])
+            rates = ((r["bytes"] / io_seconds(r) / MB, r["rank"], r) for r in group)
+            slow = sorted((t for t in rates if t[0] < self.min_mb_s), key=lambda t: t[0])
             if not slow:
                 continue
             rate, rank, row = slow[0]
             ranks = [r for _, r, _ in slow]
             alerts.append(Alert(
                 rule=self.name, severity=self.severity, job=job, run=run, checkpoint=ckpt or "",
-                checkpoint_op=op or "", phase=phase, rank=rank, step=row.get("step"), value=rate,
-                threshold=self.min_mb_s, subject=(phase,),
+                checkpoint_op=op or "", phase=phase, rank=rank, step=step, value=rate,
+                threshold=self.min_mb_s, subject=(step, phase),
                 message=(f"{phase} of {op} {ckpt} ran at {rate:.1f} MB/s on rank {rank} (floor "
                          f"{self.min_mb_s:g} MB/s); ranks below the floor: {ranks}"),
                 details={"ranks": {str(r): round(v, 3) for v, r, _ in slow}},

@@ -19,7 +19,8 @@ class Uncommitted:
     def evaluate(self, window: Window, *, context: Context) -> list[Alert]:
         rows = [r for r in window.rows if r.get("op") == "save" and r.get("checkpoint")]
         alerts = []
-        for (job, run, ckpt), group in group_rows(rows, "job", "run", "checkpoint").items():
+        # Per step: a save to a path that an earlier step's save committed to is still watched.
+        for (job, run, ckpt, step), group in group_rows(rows, "job", "run", "checkpoint", "step").items():
             committed = any(r["phase"] == COMMIT_SPAN and int(r.get("spans") or 0) > int(r.get("errors") or 0)
                             for r in group)
             if committed:
@@ -28,11 +29,10 @@ class Uncommitted:
             age = context.now - started
             if age < self.deadline_s:
                 continue
-            step = next((r.get("step") for r in group if r.get("step") is not None), None)
             alerts.append(Alert(
                 rule=self.name, severity=self.severity, job=job, run=run, checkpoint=ckpt,
                 checkpoint_op="save", phase=COMMIT_SPAN, rank=None, step=step, value=age,
-                threshold=self.deadline_s,
+                threshold=self.deadline_s, subject=(step,),
                 message=(f"checkpoint {ckpt} (step {step}) started {age:.0f} s ago and is not committed "
                          f"(deadline {self.deadline_s:g} s)"),
                 details={"ranks_seen": sorted({r["rank"] for r in group})},

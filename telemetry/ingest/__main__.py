@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.alerts:
         from telemetry.alerts.engine import Scheduler, load_rules
 
-        on_idle = Scheduler(load_rules(args.alerts), every_s=args.alerts_every).maybe_run
+        try:
+            on_idle = Scheduler(load_rules(args.alerts), every_s=args.alerts_every).maybe_run
+        except (OSError, ValueError) as exc:  # a missing or wrong rules file: say which, no traceback
+            print(f"error: --alerts {args.alerts}: {exc}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -30,18 +30,20 @@ def _rows(client: Any, sql: str, parameters: dict[str, Any]) -> list[dict[str, A
 
 
 def rank_phases(client: Any, since: datetime, *, job: str = "", run: str = "") -> list[dict[str, Any]]:
-    """Per (checkpoint, op, rank, phase span name) since ``since``: busy seconds, bytes, spans,
-    errors, retries. The alert rules' input."""
+    """Per (checkpoint, op, step, rank, phase span name) since ``since``: busy seconds, bytes,
+    spans, errors, retries. The alert rules' input. The step keeps apart the saves of one path
+    (a "latest" checkpoint overwritten every time), which summed together hid a slow rank of
+    the newest save and, behind an earlier commit, a save that never committed."""
     sql = f"""
-    SELECT job, run, checkpoint, checkpoint_op AS op, rank, name AS phase, max(step) AS step,
+    SELECT job, run, checkpoint, checkpoint_op AS op, rank, name AS phase, step,
            count() AS spans, sum(duration_s) AS duration_s, sum(ifNull(bytes, 0)) AS bytes,
            countIf(outcome = 'error') AS errors, countIf(ifNull(attempt, 1) > 1) AS retries,
            min(toFloat64(ts)) AS start_ts, max(toFloat64(ts) + duration_s) AS end_ts,
            any(error) AS sample_error
     FROM {EVENTS} FINAL
     WHERE ts >= {{since:DateTime64(6)}} AND rank IS NOT NULL AND {_FILTERS}
-    GROUP BY job, run, checkpoint, checkpoint_op, rank, name
-    ORDER BY job, run, checkpoint, checkpoint_op, name, rank
+    GROUP BY job, run, checkpoint, checkpoint_op, step, rank, name
+    ORDER BY job, run, checkpoint, checkpoint_op, step, name, rank
     """
     return _rows(client, sql, {"since": since, "job": job, "run": run})
 
