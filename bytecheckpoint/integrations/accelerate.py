@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import bytecheckpoint as bcp
-from bytecheckpoint.errors import InvalidArgumentError
+from bytecheckpoint.commit.integrity import read_metadata, resolve
+from bytecheckpoint.errors import CorruptCheckpointError, InvalidArgumentError, MissingKeysError
 
 from .rng import KeptRNG
 
@@ -67,10 +68,13 @@ class _LoaderPosition:
         return sampler if hasattr(sampler, "initial_seed") else None
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"iteration": int(getattr(self.loader, "iteration", 0))}
+        state: dict[str, Any] = {"iteration": _epoch_to_resume(self.loader)}
         sampler = self._sampler()
         if sampler is not None:
             state["sampler_seed"] = int(sampler.initial_seed)
+        batches = _batches(self.loader)
+        if batches is not None:
+            state["batches"] = batches
         if getattr(self.loader, "use_stateful_dataloader", False):
             state["loader"] = self.loader.state_dict()
             if sampler is None and _reshuffles_from_global_rng(self.loader):
@@ -85,6 +89,44 @@ class _LoaderPosition:
             sampler.initial_seed = int(state["sampler_seed"])
         if "loader" in state and getattr(self.loader, "use_stateful_dataloader", False):
             self.loader.load_state_dict(state["loader"])
+        saved, now = state.get("batches"), _batches(self.loader)
+        if saved is not None and now is not None and saved != now:
+            warnings.warn(
+                f"the checkpoint's data loader had {saved} batches an epoch, this one has {now} (another "
+                "batch size, data set or number of processes): the epoch and the steps restored count "
+                "the saving run's batches, so skipping into the epoch by this loader's batches does "
+                "not continue at the sample the checkpoint reached", RuntimeWarning, stacklevel=2)
+
+
+def _batches(loader: Any) -> int | None:
+    """Batches an epoch of ``loader`` (None where it has no length: an iterable data set)."""
+    try:
+        return int(len(loader))
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def _epoch_to_resume(loader: Any) -> int:
+    """The epoch (``iteration``) a resume starts in. A loader counts an epoch only when asked
+    for the batch after its last one, so a save during the last batch (a save every N steps
+    landing on an epoch's end) would resume into the epoch just read, in its order again: that
+    epoch is counted here. The epoch of a resumed run is read through the loader
+    :func:`skip_first_batches` made, which counts it instead."""
+    running = _SKIPPING.get(loader)
+    source = running if running is not None and _iterating(running) else loader
+    epoch = int(getattr(source, "iteration", 0))
+    if _iterating(source) and getattr(source, "end_of_dataloader", False):
+        epoch += 1
+    return epoch
+
+
+def _iterating(loader: Any) -> bool:
+    """Whether an iterator of Accelerate's ``loader`` is under way (not ended)."""
+    refs = getattr(getattr(loader, "gradient_state", None), "dataloader_references", None) or ()
+    return any(r is loader for r in refs)
+
+
+_SKIPPING: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _reshuffles_from_global_rng(loader: Any) -> bool:
@@ -95,6 +137,16 @@ def _reshuffles_from_global_rng(loader: Any) -> bool:
     get = getattr(loader, "get_sampler", None)
     sampler = get() if callable(get) else None
     return isinstance(sampler, tud.RandomSampler) and sampler.generator is None
+
+
+def _order_not_saved(loader: Any) -> bool:
+    """A shuffling sampler that is not Accelerate's seedable one: its epoch order comes from a
+    generator (the global one, or its own) whose state at the epoch's start no checkpoint keeps."""
+    import torch.utils.data as tud
+
+    get = getattr(loader, "get_sampler", None)
+    sampler = get() if callable(get) else None
+    return isinstance(sampler, tud.RandomSampler) and not hasattr(sampler, "initial_seed")
 
 
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -170,9 +222,32 @@ def load_state(accelerator: Any, path: str, **load_kwargs: Any) -> int | None:
     if "://" not in target and empty:
         return None  # fresh start: one code path serves fresh and resumed runs
     state = accelerator_state(accelerator)
+    if load_kwargs.get("strict", True):
+        target = _check_nothing_left_out(target, state)
     step = bcp.load(target, state, **load_kwargs).step
     _RESUMED[accelerator] = state["rng"]
     return step
+
+
+def _check_nothing_left_out(target: str, state: dict[str, Any]) -> str:
+    """The checkpoint ``target`` names (a root: the one its ``latest`` names), refused before
+    anything loads when it holds objects this accelerator has not prepared or registered (a
+    scheduler, a data loader, a registered object): ``bcp.load`` leaves a top-level entry
+    the state does not name alone, and the run would go on without it (a constant LR...)."""
+    storage, path = resolve(target)
+    try:
+        meta = read_metadata(storage, path)
+    except (OSError, CorruptCheckpointError):
+        return target  # replaced meanwhile, or damaged: bcp.load looks again, or names it
+    saved = {t.key.split("/", 1)[0] for t in meta.tensors} | {o.key.split("/", 1)[0] for o in meta.objects}
+    extra = sorted(saved - set(state))
+    url = storage.url(path)
+    if extra:
+        raise MissingKeysError(
+            f"{url} holds {', '.join(extra)}, which this accelerator has not prepared or registered "
+            "(the saving run had more objects); prepare and register the same objects as the run "
+            "that saved, or load the parts you want with bcp.load", [], extra)
+    return url
 
 
 def skip_first_batches(accelerator: Any, loader: Any, num_batches: int) -> Iterator[Any]:
@@ -184,7 +259,16 @@ def skip_first_batches(accelerator: Any, loader: Any, num_batches: int) -> Itera
     the resumed iterator starts, every process's RNG is put back to the checkpoint's (as the
     Hugging Face Trainer does). Without a preceding ``load_state`` it only skips."""
     skipped = accelerator.skip_first_batches(loader, num_batches)
+    if skipped is not loader:
+        _SKIPPING[loader] = skipped
     kept = _RESUMED.pop(accelerator, None)
+    if kept is not None and num_batches > 0 and _order_not_saved(loader):
+        warnings.warn(
+            f"skipping {num_batches} batches of a resumed epoch whose shuffling order was not saved (a "
+            "plain RandomSampler draws it when the epoch begins, from an RNG that has moved on since): "
+            "the batches skipped and those that follow are not the ones the interrupted run had. For an "
+            "exact resume pass DataLoaderConfiguration(use_seedable_sampler=True) to the Accelerator",
+            RuntimeWarning, stacklevel=2)
 
     def batches() -> Iterator[Any]:
         it = iter(skipped)
@@ -194,8 +278,17 @@ def skip_first_batches(accelerator: Any, loader: Any, num_batches: int) -> Itera
         if first is not _END:
             yield first
             yield from it
+        _epoch_done(loader, skipped)
 
     return batches()
+
+
+def _epoch_done(loader: Any, skipped: Any) -> None:
+    """The epoch read through ``skipped`` (a new loader Accelerate made) ended: count it on
+    ``loader`` too. Its ``iteration`` seeds the next epoch's shuffling; left behind, the next
+    epoch would repeat the resumed epoch's order."""
+    if skipped is not loader and hasattr(loader, "iteration") and hasattr(skipped, "iteration"):
+        loader.iteration = max(int(loader.iteration), int(skipped.iteration))
 
 
 _END = object()

@@ -4,8 +4,8 @@
     trainer = Trainer(model, args, ..., callbacks=[BytecheckpointCallback()])
     trainer.train(resume_from_checkpoint=True)   # on a relaunch
 
-At each of the Trainer's saves the callback saves the model, optimizer, LR scheduler and every
-process's RNG through bytecheckpoint, as step ``<global_step>`` of a root (default
+At each of the Trainer's saves the callback saves the model, optimizer, LR scheduler, GradScaler
+(fp16) and every process's RNG through bytecheckpoint, as step ``<global_step>`` of a root (default
 ``<output_dir>/bytecheckpoint``) run by a :class:`bytecheckpoint.CheckpointManager` (its
 ``retention`` applies); with ``save_only_model=True`` the Trainer itself writes only the model
 and ``trainer_state.json``. On resume it loads them back at the Trainer's step, and puts the RNG
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any
 
 import bytecheckpoint as bcp
-from bytecheckpoint.errors import NotACheckpointError
+from bytecheckpoint.errors import MissingKeysError, NotACheckpointError
 
 from .rng import KeptRNG
 
@@ -69,6 +70,12 @@ class BytecheckpointCallback(TrainerCallback):
             state["optimizer"] = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
         if lr_scheduler is not None:
             state["scheduler"] = lr_scheduler
+        # fp16 training: the GradScaler, which Accelerate's optimizer wrapper holds. The
+        # Trainer's own checkpoint saves it (scaler.pt) but not with save_only_model=True;
+        # without it a resumed run starts from the initial scale again.
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler
         return state
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
@@ -83,7 +90,7 @@ class BytecheckpointCallback(TrainerCallback):
         manager = self._manager(args)
         rng = KeptRNG()
         try:
-            manager.restore(self._state(model, optimizer, lr_scheduler, rng), step=state.global_step)
+            _restore(manager, self._state(model, optimizer, lr_scheduler, rng), state.global_step)
         except NotACheckpointError as exc:
             raise NotACheckpointError(
                 f"the Trainer resumed at step {state.global_step} but {manager.url} has no bytecheckpoint "
@@ -106,3 +113,16 @@ class BytecheckpointCallback(TrainerCallback):
             finally:
                 self.manager = None
 
+
+def _restore(manager: Any, saved: dict[str, Any], step: int) -> None:
+    """Restore ``saved`` from ``step``; a checkpoint written before the callback saved the
+    GradScaler resumes without it (a warning says the scale starts over)."""
+    try:
+        manager.restore(saved, step=step)
+    except MissingKeysError as exc:
+        if "scaler" not in saved or exc.missing_keys != ["scaler"] or exc.unexpected_keys:
+            raise
+        warnings.warn(f"{manager.url}: the checkpoint of step {step} holds no GradScaler state (saved by an "
+                      "older version of the callback); the loss scale starts from its initial value",
+                      RuntimeWarning, stacklevel=3)
+        manager.restore({k: v for k, v in saved.items() if k != "scaler"}, step=step)
