@@ -14,6 +14,7 @@ from .errors import (
     CheckpointReplacedError,
     ConcurrentSaveError,
     CorruptCheckpointError,
+    DataLoaderError,
     DtypeMismatchError,
     InvalidArgumentError,
     MissingKeysError,
@@ -79,4 +80,5 @@ __all__ = [
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",
     "UnsafeCheckpointError", "CheckpointReplacedError", "ConcurrentSaveError", "InvalidArgumentError",
     "StorageError", "StorageIOError", "StagingError", "SnapshotChangedError", "UnsupportedStateError",
+    "DataLoaderError",
 ]

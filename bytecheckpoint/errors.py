@@ -121,6 +121,12 @@ class ConcurrentSaveError(CheckpointError):
     operation holds it); nothing of the other save was touched."""
 
 
+class DataLoaderError(CheckpointError, RuntimeError):
+    """A ``TokenLoader`` reader process died, failed, or made no progress for
+    ``reader_timeout_s`` while a batch waited on it; the loader stops (close it, then resume
+    from the last checkpoint)."""
+
+
 class CheckpointReplacedError(CheckpointError):
     """The checkpoint was replaced (an ``overwrite=True`` save, or ``latest`` moved) while it was
     being loaded, so the bytes read may mix two saves; loading again reads the new one."""

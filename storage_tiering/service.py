@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from bytecheckpoint.manage.catalog import hot_bytes, orphans, scan
-from bytecheckpoint.manage.deletion import delete_checkpoint, delete_on_storage
+from bytecheckpoint.manage.deletion import delete_checkpoint, delete_on_storage, recover_unjournaled
 from bytecheckpoint.manage.journal import JOURNAL_FILE, LOCK_FILE, Journal, TierBusyError, exclusive
 from bytecheckpoint.storage import open_storage
 from bytecheckpoint.storage.redact import redact
@@ -73,6 +73,7 @@ def _run(config: TieringConfig, dry_run: bool, now: float | None, on_step: Hook 
     with exclusive(config.cold):
         if not dry_run:
             report.recovered = recover(config.hot, config.cold, journal)
+            report.recovered += recover_unjournaled(config.hot, config.cold)  # `bcp gc` without --cold
         with span("tiering.scan", path=config.hot) as ev:
             checkpoints = scan(config.hot, config.cold)
             report.hot_bytes_before = hot_bytes(config.hot)

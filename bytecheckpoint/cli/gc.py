@@ -106,6 +106,7 @@ def _delete_all(doomed: list[Any], root: Any, hot_root: str, cold_root: str | No
         delete_checkpoint,
         delete_on_storage,
         recover_deletions,
+        recover_unjournaled,
     )
     from ..manage.journal import Journal, exclusive
 
@@ -118,6 +119,8 @@ def _delete_all(doomed: list[Any], root: Any, hot_root: str, cold_root: str | No
     with exclusive(cold_root) if cold_root is not None else contextlib.nullcontext():
         if journal is not None:
             recover_deletions(hot_root, cold_root, journal)
+        if root.local:
+            recover_unjournaled(hot_root, cold_root)  # deletions without --cold a crash cut short
         with progress("deleting", len(doomed), not quiet) as advance:
             for d in doomed:
                 c = d.checkpoint

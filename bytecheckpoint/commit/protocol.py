@@ -34,6 +34,7 @@ import logging
 import os
 import posixpath
 import re
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -568,6 +569,35 @@ def _keeps_pointer(storage: Storage, parent: str, current: Latest, final: str) -
     return old is None or new is None or not abandons(new, old, current.step)
 
 
+POINTER_TEMP_PREFIX = f".{LATEST_FILE}.tmp-"
+_POINTER_TEMP_RE = re.compile(re.escape(POINTER_TEMP_PREFIX) + r"[0-9A-Za-z_-]{1,64}")
+
+
+def _clear_stale_pointer_temps(storage: Storage, parent: str) -> None:
+    """Remove ``.latest.tmp-*`` files a crash left between the write and the rename (local disk,
+    under the pointer lock, so no writer of this host is between the two). A writer on another
+    host may not share the lock, so only a plain file untouched for a whole save lease
+    (``BCP_SAVE_LEASE_S``) goes: its writer renames it milliseconds after writing it."""
+    local = save_lock.local_os_path(storage, parent)
+    if local is None:
+        return
+    try:
+        names = os.listdir(local or ".")
+    except OSError:
+        return
+    cutoff = time.time() - save_lock.lease_seconds()
+    for name in names:
+        if not _POINTER_TEMP_RE.fullmatch(name):
+            continue
+        full = os.path.join(local, name)
+        try:
+            st = os.lstat(full)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                os.unlink(full)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+
+
 def update_latest(storage: Storage, final: str, step: int | None, save_id: str) -> bool:
     """Point ``<parent>/latest`` at ``final`` unless it already names a later step (of a
     checkpoint that exists) on the new checkpoint's timeline: a checkpoint saved after a
@@ -587,7 +617,8 @@ def update_latest(storage: Storage, final: str, step: int | None, save_id: str) 
         if storage.commit_mode is CommitMode.MARKER:
             storage.write_bytes(posixpath.join(parent, LATEST_FILE), doc)  # one PUT: atomic
             return True
-        tmp = posixpath.join(parent, f".{LATEST_FILE}.tmp-{save_id}")
+        _clear_stale_pointer_temps(storage, parent)
+        tmp = posixpath.join(parent, f"{POINTER_TEMP_PREFIX}{save_id}")
         storage.write_bytes(tmp, doc)
         storage.rename(tmp, posixpath.join(parent, LATEST_FILE), overwrite=True)
         return True

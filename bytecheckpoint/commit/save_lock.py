@@ -59,6 +59,11 @@ def _env_seconds(name: str, default: float) -> float:
     return value if value > 0 else default
 
 
+def lease_seconds() -> float:
+    """How long a writer on another host may go unheard before what it left counts as stale."""
+    return _env_seconds(LEASE_ENV, DEFAULT_LEASE_S)
+
+
 def local_os_path(storage: Storage, path: str) -> str | None:
     """The operating-system path of ``path`` when ``storage`` is a local disk, else None."""
     inner = storage

@@ -32,7 +32,13 @@ import torch
 
 from telemetry import span
 
-from ..errors import CorruptCheckpointError, InvalidArgumentError, StagingError, StateMismatchError
+from ..errors import (
+    CorruptCheckpointError,
+    DataLoaderError,
+    InvalidArgumentError,
+    StagingError,
+    StateMismatchError,
+)
 from .source import TokenSource
 from .streams import (
     Layout,
@@ -87,13 +93,17 @@ class TokenLoader:
         checkpoint_every: batches between checkpoints, enabling state prefetch.
         state_timeout_s: the longest a checkpoint waits for the readers' state before it
             raises ``StagingError`` (a reader that does not answer never hangs a save).
+        reader_timeout_s: the longest a batch waits on a reader that sends nothing at all
+            (no window, no state) before ``next()`` raises ``DataLoaderError``; the time
+            restarts with every reply, so a slow but live reader never trips it.
     """
 
     def __init__(self, sources: Sequence[str], ratios: Sequence[float] | None = None, *, context: int,
                  batch_size: int, workers: int = 2, dp_rank: int | None = None,
                  dp_size: int | None = None, seed: int = 0, buffer_tokens: int = 4096,
                  prefetch: int = 4, checkpoint_every: int | None = None, pad_id: int = 0,
-                 start_method: str = "fork", state_timeout_s: float = 120.0) -> None:
+                 start_method: str = "fork", state_timeout_s: float = 120.0,
+                 reader_timeout_s: float = 600.0) -> None:
         for name, value in (("context", context), ("batch_size", batch_size), ("workers", workers),
                             ("prefetch", prefetch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -101,8 +111,9 @@ class TokenLoader:
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise InvalidArgumentError(
                 f"TokenLoader checkpoint_every must be None or a whole number >= 1, not {checkpoint_every!r}")
-        if not state_timeout_s > 0:
-            raise InvalidArgumentError(f"TokenLoader state_timeout_s must be > 0, not {state_timeout_s!r}")
+        for name, limit in (("state_timeout_s", state_timeout_s), ("reader_timeout_s", reader_timeout_s)):
+            if not limit > 0:
+                raise InvalidArgumentError(f"TokenLoader {name} must be > 0, not {limit!r}")
         if dp_rank is None or dp_size is None:
             dp_rank, dp_size = _dp_default()
         if not 0 <= dp_rank < dp_size:
@@ -116,6 +127,7 @@ class TokenLoader:
         self.checkpoint_every = checkpoint_every
         self.start_method = start_method
         self.state_timeout_s = float(state_timeout_s)
+        self.reader_timeout_s = float(reader_timeout_s)
         self._opened = [TokenSource(p) for p in sources]  # also validates the sources
         self._sizes = [len(t) for t in self._opened]
         self.layout = Layout(list(sources), ratios, seed, context + 1, workers, dp_size, buffer_tokens,
@@ -131,6 +143,8 @@ class TokenLoader:
         self._sent: list[int] = []  # per worker: "next" requests sent
         self._expect: list[int] = []  # per worker: "next" requests after which it prefetches
         self._failed: str | None = None
+        self._heard: list[float] = []  # per worker: monotonic time of its last reply
+        self._stalled: set[int] = set()  # workers given up on: killed at close, not awaited
 
     # -- workers --------------------------------------------------------------------
     def _own(self, states: list[StreamState]) -> list[StreamState]:
@@ -159,6 +173,7 @@ class TokenLoader:
             self._requested.append(-1)
             self._sent.append(0)
             self._expect.append(-1)
+            self._heard.append(time.monotonic())
         self._pump = threading.Thread(target=self._receive, daemon=True, name="bcp-loader-pump")
         self._pump.start()
 
@@ -174,6 +189,7 @@ class TokenLoader:
                 except (EOFError, OSError):
                     open_conns.remove(conn)
                     msg = ("error", "the reader process exited")
+                self._heard[w] = time.monotonic()
                 if msg[0] == "error":
                     self._windows[w].put(("error", msg[1]))
                     with self._state_ready:
@@ -193,14 +209,17 @@ class TokenLoader:
                 conn.send(("stop",))
             except (OSError, BrokenPipeError):
                 pass
-        for proc in self._procs:
-            proc.join(timeout=5)
+        for w, proc in enumerate(self._procs):
+            if w not in self._stalled:  # a stalled reader will not stop by itself
+                proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=5)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._requested = [], [], []
-        self._sent, self._expect = [], []
+        self._sent, self._expect, self._heard = [], [], []
+        self._stalled = set()
 
     def __del__(self) -> None:
         try:
@@ -222,16 +241,37 @@ class TokenLoader:
                 continue
             self._conns[w].send(("next",))
             self._sent[w] += 1
-            kind, window = self._windows[w].get()
+            kind, window = self._await_window(w)
             if kind == "error":
-                raise RuntimeError(f"data loader worker {w} failed: {window}")
+                raise DataLoaderError(f"data loader worker {w} failed: {window}")
             if window is None:
                 rot["finished"][w] = True
                 continue
             return window
         return None
 
+    def _await_window(self, w: int) -> tuple[str, Any]:
+        """Worker ``w``'s reply to the "next" just sent; raises once it has said nothing for
+        ``reader_timeout_s`` (counted from the request or its last reply, the later)."""
+        asked = time.monotonic()
+        while True:
+            left = max(asked, self._heard[w]) + self.reader_timeout_s - time.monotonic()
+            try:
+                return self._windows[w].get(timeout=max(left, 0.0) + 0.01)
+            except queue.Empty:
+                if max(asked, self._heard[w]) + self.reader_timeout_s > time.monotonic():
+                    continue  # it replied meanwhile (a state): wait on
+            self._stalled.add(w)
+            self._failed = (f"data loader worker {w} (pid {self._procs[w].pid}) sent nothing for "
+                            f"{self.reader_timeout_s:g} s (TokenLoader reader_timeout_s)")
+            raise DataLoaderError(
+                f"{self._failed}: it is stalled (on storage, or stopped). The loader cannot go on: "
+                "close() it, check the reader's storage, and resume from the last checkpoint")
+
     def __next__(self) -> TokenBatch:
+        if self._failed is not None and self._stalled:
+            raise DataLoaderError(f"{self._failed}; the loader stopped: close() it and resume "
+                                  "from the last checkpoint")
         if not self._procs:
             self._start()
         windows = []

@@ -10,15 +10,20 @@
 3. delete its cold copies that no other link under the hot root resolves to (a ``cp -a`` copy
    shares its original's cold files), then the renamed directory, then empty cold directories.
 
-A crash between 2 and 3 is finished by :func:`recover_deletion` from the journal record. Only
+The deletion holds the path's save lock throughout. A crash between 2 and 3 is finished by
+:func:`recover_deletion` from the journal record; without a journal (``bcp gc`` without
+``--cold``) the deletion writes its own record beside the checkpoint first,
+``.<name>.deleting-<id>.record``, and :func:`recover_unjournaled` finishes it. Only
 files proved to be the checkpoint's are deleted: a cold file is one whose link resolves (real
 paths) inside the cold root; a link elsewhere is removed, its target never.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
+import re
 import shutil
 import stat
 import uuid
@@ -34,9 +39,15 @@ from ..errors import CheckpointError
 from ..format.metadata import METADATA_FILE
 from ..storage import Storage
 from ..storage.local import fsync_dir
-from .catalog import CheckpointInfo, cold_references, cold_target, describe, inside, latest_of
+from .catalog import _LOCAL, CheckpointInfo, cold_references, cold_target, describe, inside, latest_of
 from .journal import Journal
 from .protection import untouchable_reason
+
+DELETING_TAG = ".deleting-"
+RECORD_SUFFIX = ".record"
+# Exactly what a deletion of ours names: ``.<name>.deleting-<12 hex>`` (+ ``.record``).
+_RECORD_RE = re.compile(r"\.(?P<name>.+)\.deleting-(?P<id>[0-9a-f]{12})\.record")
+_MAX_RECORD = 1 << 20
 
 
 class DeletionRefusedError(CheckpointError):
@@ -147,12 +158,28 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
     _refuse_if_changed(path, ckpt, fresh.identity)
     _refuse_if_foreign(path, fresh.foreign)
     op_id = uuid.uuid4().hex[:12]
+    # The path's save lock, held to the end: a recovery pass (or a save) never works on a
+    # deletion still running, and a crashed one's lock goes with its process.
+    lock = save_lock.try_acquire(_LOCAL, path, f"delete-{op_id}")
+    if lock is None:
+        raise DeletionRefusedError(f"{path}: a save, deletion or repair holds its path; kept")
+    try:
+        return _delete_locked(path, ckpt, fresh, identity, hot_root, cold_root, journal, op_id)
+    finally:
+        lock.release()
+
+
+def _delete_locked(path: str, ckpt: CheckpointInfo, fresh: CheckpointInfo, identity: int, hot_root: str,
+                   cold_root: str | None, journal: Journal | None, op_id: str) -> Deleted:
     parent, name = os.path.split(path)
-    trash = os.path.join(parent, f".{name}.deleting-{op_id}")
+    trash = os.path.join(parent, f".{name}{DELETING_TAG}{op_id}")
+    record = trash + RECORD_SUFFIX
     cold_dir = os.path.join(cold_root, os.path.relpath(path, hot_root)) if cold_root else None
     with span("tiering.delete", checkpoint=path, path=path, bytes=ckpt.size, step=ckpt.step):
         if journal is not None:
             journal.append(op_id, "delete", "begin", checkpoint=path, trash=trash, cold_dir=cold_dir)
+        else:
+            _write_record(record, path, trash, fresh, op_id)
         os.rename(path, trash)
         moved = describe(trash, hot_root, cold_root)
         if os.lstat(trash).st_ino != identity or moved is None or moved.identity != fresh.identity \
@@ -162,6 +189,7 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
             os.rename(trash, path)
             if journal is not None:
                 journal.append(op_id, "delete", "aborted", error="changed while being deleted")
+            _drop_record(record, journal)
             raise DeletionRefusedError(f"{path} was replaced or written to while being deleted; kept")
         fsync_dir(parent)
         done = delete_tree(trash, cold_root, hot_root)
@@ -169,7 +197,33 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
             remove_empty_dirs(cold_dir, cold_root)  # files in it that others use stay, and so does it
         if journal is not None:
             journal.append(op_id, "delete", "done")
+        _drop_record(record, journal)
     return Deleted(path, done.cold_files, done.bytes_freed)
+
+
+def _write_record(record: str, path: str, trash: str, fresh: CheckpointInfo, op_id: str) -> None:
+    """What :func:`recover_unjournaled` needs to prove a ``.deleting-`` directory is this
+    deletion's: the directory's inode, the checkpoint's files and metadata identity, and who
+    deleted (a live deleter's work is never taken over)."""
+    st = os.lstat(path)
+    doc = {**save_lock._owner_doc(f"delete-{op_id}"), "op": "delete", "id": op_id, "checkpoint": path,
+           "trash": trash, "dev": st.st_dev, "ino": st.st_ino, "files": list(fresh.files),
+           "identity": fresh.identity.hex()}
+    fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, json.dumps(doc).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(os.path.dirname(record))
+
+
+def _drop_record(record: str, journal: Journal | None) -> None:
+    if journal is None:
+        try:
+            os.unlink(record)
+        except FileNotFoundError:
+            pass
 
 
 def delete_on_storage(storage: Storage, ckpt: CheckpointInfo, *, cold_in_place: bool = False,
@@ -248,4 +302,92 @@ def recover_deletions(hot_root: str, cold_root: str | None, journal: Journal) ->
             recover_deletion(hot_root, cold_root, rec)
         journal.append(rec["id"], "delete", "recovered")
         count += 1
+    return count
+
+
+def _read_record(record: str) -> dict | None:
+    """A deletion record (never through a link, never a FIFO), or None if it is not one."""
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        doc = json.loads(os.read(fd, _MAX_RECORD).decode())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+    return doc if isinstance(doc, dict) else None
+
+
+def _only_its_files(trash: str, doc: dict, cold_root: str | None) -> bool:
+    """Whether ``trash`` holds nothing but what the record says the checkpoint had (some may be
+    gone: a crash in the middle of removing them), the same metadata, and no cold link a
+    deletion without the cold root would orphan the target of."""
+    files = doc.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return False
+    for entry in os.listdir(trash):
+        st = os.lstat(os.path.join(trash, entry))
+        if entry not in files or not (stat.S_ISREG(st.st_mode)
+                                      or (stat.S_ISLNK(st.st_mode) and cold_root is not None)):
+            return False
+    if os.path.lexists(os.path.join(trash, METADATA_FILE)):
+        now = metadata_identity(_LOCAL, trash)
+        return now is not None and now.hex() == doc.get("identity")
+    return True
+
+
+def _finish_from_record(parent: str, name: str, op_id: str, hot_root: str, cold_root: str | None) -> bool:
+    """Finish (or undo) one deletion cut short, proved ours by its record; False when left."""
+    home = os.path.join(parent, name)
+    trash = os.path.join(parent, f".{name}{DELETING_TAG}{op_id}")
+    record = trash + RECORD_SUFFIX
+    doc = _read_record(record)
+    if doc is None or doc.get("id") != op_id or not isinstance(doc.get("trash"), str) \
+            or os.path.basename(doc["trash"]) != os.path.basename(trash) or save_lock.record_alive(doc):
+        return False  # not one of our records, or its deleter may still run
+    if not os.path.lexists(trash):
+        os.unlink(record)  # it finished, or never renamed the checkpoint: nothing to do
+        return True
+    st = os.lstat(trash)
+    if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (doc.get("dev"), doc.get("ino")):
+        return False  # not the directory that deletion renamed aside
+    if _only_its_files(trash, doc, cold_root):
+        delete_tree(trash, cold_root, hot_root)  # renamed away, so no longer a checkpoint: finish
+    elif not os.path.lexists(home):
+        os.rename(trash, home)  # someone else's files (or changed): never deleted; put back
+    else:
+        return False
+    fsync_dir(parent)
+    os.unlink(record)
+    return True
+
+
+def recover_unjournaled(hot_root: str, cold_root: str | None) -> int:
+    """Finish the deletions without a journal (``bcp gc`` without ``--cold``) that a crash cut
+    short under ``hot_root``: a ``.<name>.deleting-<id>`` directory whose record beside it
+    proves it is that deletion's renamed checkpoint, once its deleter is gone (the path's save
+    lock is free and its process dead), is deleted; one holding anything else is put back.
+    Links are never followed. Returns how many were resolved."""
+    count = 0
+    for parent, dirs, names in os.walk(hot_root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # never into staging or trash
+        for entry in names:
+            m = _RECORD_RE.fullmatch(entry)
+            if m is None:
+                continue
+            home = os.path.join(parent, m["name"])
+            lock = save_lock.try_acquire(_LOCAL, home, f"recover-{m['id']}")
+            if lock is None:
+                continue  # a deletion or save works on that path now: the next pass
+            try:
+                with span("tiering.recover", checkpoint=home, op="delete", move_id=m["id"]):
+                    count += _finish_from_record(parent, m["name"], m["id"], hot_root, cold_root)
+            except OSError:
+                continue  # changed under us: the next pass looks again
+            finally:
+                lock.release()
     return count
