@@ -299,9 +299,9 @@ def _check_writable(key: str, value: Any) -> None:
             "expand()ed view, stride 0), so it cannot hold the saved values; clone() it before loading")
 
 
-def _memory_of(value: Any) -> tuple[int, int, int, tuple[Any, ...]] | None:
-    """(storage address, first byte, end byte, view) of a target's memory; None when it has
-    none to tell (meta, fake, empty)."""
+def _target_memory(value: Any) -> tuple[torch.Tensor, int] | None:
+    """A target's local tensor and its storage's address; None when it has no memory to tell
+    (meta, fake, empty)."""
     t = value.data if isinstance(value, TensorShard) else getattr(value, "_local_tensor", value)
     if not isinstance(t, torch.Tensor) or not t.numel():
         return None
@@ -309,8 +309,11 @@ def _memory_of(value: Any) -> tuple[int, int, int, tuple[Any, ...]] | None:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
-    if not ptr:
-        return None
+    return (t, ptr) if ptr else None
+
+
+def _extent(t: torch.Tensor, ptr: int) -> tuple[int, int, int, tuple[Any, ...]]:
+    """(storage address, first byte, end byte, view) of a tensor's memory."""
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     item = t.element_size()
     return ptr, t.storage_offset() * item, (last + 1) * item, (tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -321,9 +324,14 @@ def _sharing_memory(tensors: dict[str, Any]) -> dict[str, str]:
     through ``.t()``, two slices of one buffer), each with one such other key. Reads straight
     into such memory checked one key's bytes after the other key's had landed there ("the file
     is corrupt"), or one value silently overwrote the other's; identical views are
-    ``_untied_into_tied``'s. A sweep over byte extents, O(n log n)."""
-    spans = sorted(((*m, k) for k, v in tensors.items() if (m := _memory_of(v))),
-                   key=lambda span: span[:3])  # views hold dtypes, which do not order
+    ``_untied_into_tied``'s. Extents are taken only of tensors whose storage another target
+    also uses (most have their own), then swept in order: O(n log n)."""
+    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for key, value in tensors.items():
+        if (memory := _target_memory(value)) is not None:
+            by_storage.setdefault(memory[1], []).append((key, memory[0]))
+    spans = sorted(((*_extent(t, ptr), key) for ptr, group in by_storage.items() if len(group) > 1
+                    for key, t in group), key=lambda span: span[:3])  # views hold dtypes, which do not order
     out: dict[str, str] = {}
     reach: tuple[int, int, Any, str] | None = None  # (storage, end byte, view, key) reaching furthest
     for ptr, first, end, view, key in spans:
