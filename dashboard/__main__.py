@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -27,6 +28,26 @@ def streamlit_command(host: str, port: int) -> list[str]:
             "--client.toolbarMode", "viewer"]
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port (streamlit would fail on another with a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value}: a port is 1 to 65535")
+    return value
+
+
+def _bindable(host: str, port: int) -> str | None:
+    """Why ``host`` cannot be bound (an unknown name or address), or None."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        return f"--host {host!r}: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dashboard", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -35,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                         "http(s)://user:pass@host:8123/db (default $BCP_CLICKHOUSE_DSN, else the "
                         "embedded store next to the spool)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8501)
+    parser.add_argument("--port", type=_port, default=8501)
     parser.add_argument("--spool", default=None, metavar="DIR",
                         help="also ingest this spool directory into the (embedded) store while serving")
     args = parser.parse_args(argv)
@@ -43,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         dsn = normalize_dsn(args.dsn or default_dsn())
     except StoreConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problem = _bindable(args.host, args.port)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     env = {**os.environ, DSN_ENV: dsn}
     if args.spool:

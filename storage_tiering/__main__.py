@@ -18,6 +18,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from bytecheckpoint.commit.leases import pin, unpin
+from bytecheckpoint.errors import CheckpointError
+from bytecheckpoint.storage.redact import redact
 
 from .config import ConfigError, load_config
 
@@ -74,12 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     from .service import ServiceBusy, run_loop, run_once  # after parsing: --help needs no torch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.pin:
-        print(f"pinned: {pin(args.pin, args.reason)}")
-        return 0
-    if args.unpin:
-        print("unpinned" if unpin(args.unpin) else "was not pinned")
-        return 0
+    try:
+        if args.pin:
+            print(f"pinned: {pin(args.pin, args.reason)}")
+            return 0
+        if args.unpin:
+            print("unpinned" if unpin(args.unpin) else "was not pinned")
+            return 0
+    except (OSError, CheckpointError) as exc:  # a missing directory, no permission: one line
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 1
     try:
         config = load_config(args.config, hot=args.hot, cold=args.cold, cool_after=args.cool_after,
                              keep_newest=args.keep_newest, delete_after=args.delete_after,
@@ -98,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, CheckpointError) as exc:  # the scan itself failed (permissions, a lost mount)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 1
     _print(report)
     return 1 if report.failed else 0
 

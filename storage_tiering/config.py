@@ -19,6 +19,7 @@ number with ``s``, ``m``, ``h`` or ``d``.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -78,6 +79,7 @@ class TieringConfig:
             raise ConfigError(f"cold tier {self.cold!r}: the cold tier must be a local directory "
                               "or mount (the hot path links to it)")
         hot, cold = _abs(self.hot), _abs(self.cold)
+        _check_hot_root(hot)
         if hot == cold or cold.startswith(hot + os.sep) or hot.startswith(cold + os.sep):
             raise ConfigError(f"hot tier {hot} and cold tier {cold} must not contain each other")
         return replace(self._check_policy(), hot=hot, cold=cold)
@@ -99,6 +101,15 @@ def _abs(path: str) -> str:
     return os.path.abspath(path.removeprefix("file://"))
 
 
+def _check_hot_root(hot: str) -> None:
+    """Refuse the file system root and the home directory as the hot tier: a pass would scan
+    (and, with delete_after, retire) every checkpoint on the machine (bcp gc refuses them too)."""
+    real = os.path.realpath(hot)
+    if real in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))):
+        raise ConfigError(f"hot tier {real} is the file system root or the home directory: give the "
+                          "directory that holds the runs' checkpoints")
+
+
 def parse_duration(value: Any, name: str = "duration") -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
@@ -107,6 +118,8 @@ def parse_duration(value: Any, name: str = "duration") -> float:
         if not m:
             raise ConfigError(f"{name}: {value!r} is not a duration (e.g. 3600, 90m, 12h, 7d)")
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(seconds):  # TOML allows nan and inf: never or always due
+        raise ConfigError(f"{name}: {value!r} is not a finite duration")
     if seconds < 0:
         raise ConfigError(f"{name}: {value!r} is negative")
     return seconds
@@ -119,11 +132,16 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if name == "delete_after":
         return None if value in (None, "", "off", "none") else parse_duration(value, label)
     if name in ("keep_newest", "keep_every"):
+        # int() would take true as 1 and 2.7 as 2: a typo must fail, not change the policy.
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{label}: {value!r} is not an integer")
         try:
             return int(value)
-        except (TypeError, ValueError):
+        except ValueError:
             raise ConfigError(f"{label}: {value!r} is not an integer") from None
-    return str(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{label}: {value!r} is not a string")
+    return value
 
 
 def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
@@ -142,6 +160,8 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"tiering config {path} is not valid TOML: {exc}") from None
         section = doc.get("tiering", doc)
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: [tiering] must be a table of settings, not {section!r}")
         unknown = set(section) - set(names)
         if unknown:
             raise ConfigError(f"{path}: unknown settings {sorted(unknown)}; known: {names}")

@@ -18,6 +18,7 @@ at import, so a program may set these variables after importing the library.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from telemetry.sinks.kafka import DEFAULT_SPOOL_LIMIT, DEFAULT_TOPIC, KafkaSink
 from telemetry.sinks.segments import DEFAULT_FSYNC, FSYNC_POLICIES
 from telemetry.sinks.spool import DEFAULT_MAX_BYTES, SpoolSink
 
+log = logging.getLogger(__name__)
 _OFF_VALUES = frozenset({"off", "0", "false", "no", "disabled"})
 
 
@@ -45,6 +47,16 @@ class Settings:
     fsync: str = DEFAULT_FSYNC
 
 
+_warned: set[tuple[str, str]] = set()
+
+
+def _ignored(name: str, raw: str, used: object) -> None:
+    """A bad value must not take the training job down, nor pass unnoticed: warn once, by name."""
+    if (name, raw) not in _warned:
+        _warned.add((name, raw))
+        log.warning("telemetry: %s=%r is not valid; using %r instead", name, raw, used)
+
+
 def _env_positive_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -52,9 +64,11 @@ def _env_positive_int(name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        # A typo in an env var must not take the training job down.
+        value = 0
+    if value <= 0:
+        _ignored(name, raw, default)
         return default
-    return value if value > 0 else default
+    return value
 
 
 SINKS = ("spool", "kafka")
@@ -68,8 +82,12 @@ def _settings_from_env() -> Settings:
     sink = os.environ.get("BCP_TELEMETRY_SINK", "").strip().lower() or ("kafka" if kafka else "spool")
     if sink not in SINKS or (sink == "kafka" and not kafka):
         # A bad setting must not take the training job down: keep events locally.
+        _ignored("BCP_TELEMETRY_SINK", sink + ("" if sink != "kafka" else " (no BCP_TELEMETRY_KAFKA)"),
+                 "spool")
         sink = "spool"
     fsync = os.environ.get("BCP_TELEMETRY_FSYNC", "").strip().lower() or DEFAULT_FSYNC
+    if fsync not in FSYNC_POLICIES:
+        _ignored("BCP_TELEMETRY_FSYNC", fsync, DEFAULT_FSYNC)
     return Settings(
         sink=sink,
         kafka=kafka,

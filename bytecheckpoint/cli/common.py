@@ -106,6 +106,14 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def location(text: str) -> str:
+    """An argparse type for a path or URL: an empty one is a usage error, never the current
+    directory (``bcp gc "$UNSET_VAR" --yes`` must not collect garbage wherever it runs)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: give a directory or a storage URL")
+    return text
+
+
 def resolve_checkpoint(url: str) -> tuple[Any, str]:
     """The checkpoint at ``url``; a local path that is a file (or a device) is no checkpoint."""
     from ..commit.integrity import resolve

@@ -11,6 +11,7 @@ from .common import (
     Adder,
     UsageError,
     human,
+    location,
     print_json,
     progress,
 )
@@ -52,8 +53,9 @@ def register(add: Adder) -> None:
     way = cv.add_mutually_exclusive_group(required=True)
     way.add_argument("--from", dest="from_", choices=["dcp", "torch"], help="the source format")
     way.add_argument("--to", choices=["dcp"], help="the output format (the source is a checkpoint)")
-    cv.add_argument("src", metavar="SRC")
-    cv.add_argument("dst", metavar="DST", help="output (created; an existing one needs --overwrite)")
+    cv.add_argument("src", metavar="SRC", type=location)
+    cv.add_argument("dst", metavar="DST", type=location,
+                    help="output (created; an existing one needs --overwrite)")
     cv.add_argument("--max-memory", default="1GiB", metavar="BYTES",
                     help="memory cap for tensor data, e.g. 16MiB, 2GB (default 1GiB; at least 1MiB)")
     cv.add_argument("--overwrite", action="store_true", help="replace DST")

@@ -13,6 +13,7 @@ from .common import (
     Adder,
     UsageError,
     human,
+    location,
     print_json,
     progress,
     resolve_checkpoint,
@@ -81,8 +82,10 @@ def register(add: Adder) -> None:
              "loads. Streams: about one output shard is in memory at a time. Optimizer state "
              "(--include-optimizer) goes to optimizer-*.safetensors with its own index, named "
              "<parameter>.<state>, e.g. transformer.h.0.attn.c_attn.weight.exp_avg.")
-    ex.add_argument("path", metavar="PATH", help="checkpoint, or a root with a 'latest' pointer")
-    ex.add_argument("out", metavar="OUT", help="output directory (created; must be empty unless --overwrite)")
+    ex.add_argument("path", metavar="PATH", type=location,
+                    help="checkpoint, or a root with a 'latest' pointer")
+    ex.add_argument("out", metavar="OUT", type=location,
+                    help="output directory (created; must be empty unless --overwrite)")
     ex.add_argument("--format", default="safetensors", choices=["safetensors"], help="output format")
     ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                     help="largest output file, e.g. 2GB, 500MB, 1GiB (default 5GB); a bigger tensor gets a "

@@ -17,6 +17,7 @@ from .common import (
     UsageError,
     cold_arg,
     human,
+    location,
     print_json,
     progress,
     step_key,
@@ -80,6 +81,50 @@ def _check_gc_root(root: str) -> None:
     if real == os.path.realpath(os.sep) or real == home:
         raise UsageError(f"refusing to collect garbage in {real} (the file system root or the home "
                          "directory): give the directory that holds the runs' checkpoints")
+
+
+def _cold_tier_of(path: str) -> str | None:
+    """The cold tier ``path`` is or lies in: the nearest directory at or above it that holds a
+    tiering journal or lock, which only a cold tier has (every pass creates them). Its
+    checkpoints are copies the hot tier's links point to: deleting one destroys the hot one."""
+    from ..manage.journal import JOURNAL_FILE, LOCK_FILE
+
+    d = os.path.realpath(path)
+    while True:
+        if any(os.path.lexists(os.path.join(d, n)) for n in (JOURNAL_FILE, LOCK_FILE)):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def _check_tiers(hot: str, cold_root: str | None) -> None:
+    """Refuse a root that is (in) a cold tier, and a --cold that overlaps the root: gc would
+    take the cold copies for checkpoints of their own and delete what hot links point to."""
+    tier = _cold_tier_of(hot)
+    if tier is not None:
+        raise UsageError(f"{hot} is in the cold tier {tier} (it holds the tiering journal): run gc on "
+                         f"the hot root with --cold {tier}")
+    if cold_root is not None:
+        real_hot, real_cold = os.path.realpath(hot), os.path.realpath(cold_root)
+        if os.path.commonpath([real_hot, real_cold]) in (real_hot, real_cold):
+            raise UsageError(f"--cold {real_cold} and the root {real_hot} must not contain each other "
+                             "(the cold tier is a separate directory the hot files link into)")
+
+
+def _keep_cold_copies(decisions: list[Any]) -> list[Any]:
+    """A checkpoint under ROOT that lies in a cold tier (ROOT holds both tiers) is kept: it is
+    the bytes of a hot checkpoint, deleted only with it."""
+    from ..manage.retention import Decision
+
+    out = []
+    for d in decisions:
+        tier = _cold_tier_of(d.checkpoint.path) if d.delete else None
+        out.append(d if tier is None else Decision(
+            d.checkpoint, False, f"a copy in the cold tier {tier}: deleted only with its hot checkpoint "
+                                 f"(run gc on the hot root with --cold {tier})"))
+    return out
 
 
 def _needs_cold(c: Any) -> str:
@@ -152,8 +197,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     elif args.cold:
         raise UsageError(f"--cold applies to local roots (links into a cold directory), not {args.root}")
     cold_root = cold_arg(root, args.cold)
+    if root.local:
+        _check_tiers(root.path, cold_root)
     decisions = plan_gc(list_checkpoints(root, cold_root), keep_last=args.keep_last,
                         keep_every=args.keep_every)
+    if root.local:
+        decisions = _keep_cold_copies(decisions)
     decisions.sort(key=lambda d: step_key(d.checkpoint))
     # A cooled checkpoint goes only with its cold copies: without --cold it is refused.
     refused = {d.checkpoint.path: _needs_cold(d.checkpoint) for d in decisions
@@ -207,7 +256,7 @@ def register(add: Adder) -> None:
              "checkpoints whose directory holds files that are not theirs. "
              "Deletes the rest, with their cold copies. Dry run by default: prints what it would delete "
              "and the bytes it would free.")
-    gc.add_argument("root", metavar="ROOT")
+    gc.add_argument("root", metavar="ROOT", type=location)
     gc.add_argument("--keep-last", type=int, required=True, metavar="N",
                     help="keep the newest N committed checkpoints of each run (at least 1)")
     gc.add_argument("--keep-every", type=int, default=0, metavar="K",

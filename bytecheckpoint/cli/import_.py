@@ -11,6 +11,7 @@ from .common import (
     UsageError,
     count,
     human,
+    location,
     print_json,
     progress,
 )
@@ -52,8 +53,8 @@ def register(add: Adder) -> None:
              "when present) without unpickling anything, and save it at DST as a checkpoint of full "
              "tensors under the state key 'model', which bytecheckpoint.load reshards into any layout. "
              "The whole model is held in memory once.")
-    im.add_argument("src", metavar="SRC", help="Hugging Face model directory")
-    im.add_argument("dst", metavar="DST", help="checkpoint path to create (any storage URL)")
+    im.add_argument("src", metavar="SRC", type=location, help="Hugging Face model directory")
+    im.add_argument("dst", metavar="DST", type=location, help="checkpoint path to create (any storage URL)")
     im.add_argument("--model-key", default="model",
                     help="state key to store the tensors under (default 'model')")
     im.add_argument("--strip-prefix", action="append", metavar="PREFIX", help="as for export")

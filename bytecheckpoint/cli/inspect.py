@@ -12,6 +12,7 @@ from .common import (
     Adder,
     count,
     human,
+    location,
     print_json,
     resolve_checkpoint,
     table,
@@ -107,7 +108,7 @@ def register(add: Adder) -> None:
               "unpickled): tensors (key, global shape, dtype, number of boxes), the saving layout, "
               "files, dataloader and extra state, user metadata. PATH is a checkpoint or a root with a "
               "'latest' pointer; any storage URL works.")
-    ins.add_argument("path", metavar="PATH")
+    ins.add_argument("path", metavar="PATH", type=location)
     ins.add_argument("--json", action="store_true", help="machine-readable output (every tensor)")
     ins.add_argument("--all", action="store_true", help="list every tensor")
     ins.add_argument("--max-rows", type=count(0), default=200,

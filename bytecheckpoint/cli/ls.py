@@ -15,6 +15,7 @@ from .common import (
     age,
     cold_arg,
     human,
+    location,
     print_json,
     step_key,
     table,
@@ -88,7 +89,7 @@ def register(add: Adder) -> None:
              "List every checkpoint under ROOT (runs at any depth): step, size, files, saving world and "
              "layout, framework, committed or not, tier (hot / cold / partial / staging), age, and flags "
              "(latest, pinned, being read).")
-    ls.add_argument("root", metavar="ROOT")
+    ls.add_argument("root", metavar="ROOT", type=location)
     ls.add_argument("--cold", default=os.environ.get("BCP_TIERING_COLD") or None, metavar="DIR",
                     help="the cold tier's root, to tell cold checkpoints apart (default $BCP_TIERING_COLD)")
     ls.add_argument("--json", action="store_true", help="machine-readable output")

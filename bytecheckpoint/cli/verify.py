@@ -12,6 +12,7 @@ from .common import (
     Adder,
     count,
     human,
+    location,
     print_json,
     progress,
     resolve_checkpoint,
@@ -44,7 +45,7 @@ def register(add: Adder) -> None:
     ver = add("verify", "re-check every checksum of a checkpoint",
               "Read every stored piece back and check its checksums, in parallel. Prints each bad file and "
               "exits 1 when any is found (4 when the metadata itself is unreadable).")
-    ver.add_argument("path", metavar="PATH")
+    ver.add_argument("path", metavar="PATH", type=location)
     ver.add_argument("--threads", type=count(1), default=8, help="parallel readers (default 8)")
     ver.add_argument("--json", action="store_true", help="machine-readable output")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -119,7 +119,7 @@ def _number(source: str, raw: Any, kind: type) -> Any:
         value = kind(raw)
     except (TypeError, ValueError):
         raise StorageError(f"storage setting {source}={raw!r} is not a valid {kind.__name__}") from None
-    if value <= 0:
+    if value != value or value <= 0:  # nan passes "<= 0" and would disable every limit
         raise StorageError(f"storage setting {source}={raw!r} must be positive")
     return value
 
@@ -132,6 +132,33 @@ def _read_file(path: str) -> dict[str, Any]:
         raise StorageError(f"{CONFIG_ENV} names {path!r}, which does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise StorageError(f"storage config {path!r} is not valid TOML: {exc}") from None
+
+
+# The keys each section of the file may hold; [tiering] belongs to the tiering service.
+_KEYS = {
+    "transfer": ("part_bytes", "threads", "write_behind_bytes", "drop_behind", "direct_writes",
+                 "host_writers"),
+    "retry": ("attempts", "base_s", "max_s", "deadline_s"),
+    "s3": ("endpoint", "region", "access_key", "secret_key", "session_token", "connect_timeout_s",
+           "request_timeout_s"),
+    "hdfs": ("url",),
+}
+
+
+def _check_sections(doc: dict[str, Any], path: str) -> None:
+    """Refuse what would be silently ignored: an unknown section or key is a typo."""
+    for name, section in doc.items():
+        if name == "tiering":
+            continue
+        if name not in _KEYS:
+            raise StorageError(f"storage config {path!r}: unknown section [{name}]; known: "
+                               f"{', '.join(_KEYS)}")
+        if not isinstance(section, dict):
+            raise StorageError(f"storage config {path!r}: [{name}] must be a table of settings")
+        unknown = sorted(set(section) - set(_KEYS[name]))
+        if unknown:
+            raise StorageError(f"storage config {path!r}: unknown setting(s) {unknown} in [{name}]; "
+                               f"known: {', '.join(_KEYS[name])}")
 
 
 def _flag(name: str, raw: Any, default: bool) -> bool:
@@ -171,6 +198,7 @@ def _count_or_off(name: str, raw: Any, default: int) -> int:
 def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
     env = dict(key)
     doc = _read_file(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else {}
+    _check_sections(doc, env.get(CONFIG_ENV, ""))
     sections = {name: dict(doc.get(name, {})) for name in ("transfer", "retry", "s3", "hdfs")}
 
     def pick(section: str, name: str, env_name: str, kind: type | None = None) -> Any:

@@ -13,14 +13,44 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from telemetry.sinks.kafka import DEFAULT_TOPIC
 from telemetry.store import StoreConfigError, StoreUnavailableError, default_dsn
 from telemetry.store.client import normalize_dsn
+
+
+def _seconds(positive: bool, forever: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number of seconds, > 0 or >= 0, finite unless ``forever`` allows inf
+    (nan compares false with everything: an idle time of nan never ends ``--once``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if math.isnan(value) or (math.isinf(value) and not forever) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a {'' if forever else 'finite '}number "
+                                             f"of seconds {'above' if positive else 'of at least'} 0")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+def _events(text: str) -> int:
+    """An argparse type: events per batch, at least 1 (0 would read nothing and report success)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1 event per batch")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,16 +66,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Kafka consumer group")
     parser.add_argument("--once", action="store_true",
                         help="exit once nothing new arrived for --idle-s seconds (for cron / tests)")
-    parser.add_argument("--idle-s", type=float, default=3.0)
-    parser.add_argument("--batch-events", type=int, default=5000, help="events per insert at most")
-    parser.add_argument("--linger-s", type=float, default=1.0, help="how long a batch may fill up")
-    parser.add_argument("--retry-for", type=float, default=900.0, metavar="S",
+    parser.add_argument("--idle-s", type=_seconds(False), default=3.0)
+    parser.add_argument("--batch-events", type=_events, default=5000, help="events per insert at most")
+    parser.add_argument("--linger-s", type=_seconds(False), default=1.0, help="how long a batch may fill up")
+    parser.add_argument("--retry-for", type=_seconds(False, forever=True), default=900.0, metavar="S",
                         help="give up (exit 1) when the store stays unreachable this long")
     parser.add_argument("--keep-spool", action="store_true",
                         help="with --spool: keep segments once stored (default: delete sealed ones)")
     parser.add_argument("--alerts", default=None, metavar="RULES.yaml",
                         help="also evaluate these alert rules on the store this process owns")
-    parser.add_argument("--alerts-every", type=float, default=60.0, metavar="S")
+    parser.add_argument("--alerts-every", type=_seconds(True), default=60.0, metavar="S")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
