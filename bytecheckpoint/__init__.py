@@ -19,6 +19,7 @@ from .errors import (
     InvalidArgumentError,
     MissingKeysError,
     NotACheckpointError,
+    ProcessGroupError,
     RankFailedError,
     ShapeMismatchError,
     SnapshotChangedError,
@@ -80,5 +81,5 @@ __all__ = [
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",
     "UnsafeCheckpointError", "CheckpointReplacedError", "ConcurrentSaveError", "InvalidArgumentError",
     "StorageError", "StorageIOError", "StagingError", "SnapshotChangedError", "UnsupportedStateError",
-    "DataLoaderError",
+    "DataLoaderError", "ProcessGroupError",
 ]

@@ -139,6 +139,8 @@ def load(
     raising. ``verify`` checks the checksum of every byte read. ``fqn_map`` renames this
     rank's parameter names to global ones, as in :func:`save`. A checkpoint replaced by an
     ``overwrite=True`` save while it is loaded raises ``CheckpointReplacedError`` (load again).
+    A load that raises, on any rank, may have filled part of ``state`` on every rank: load
+    again (or rebuild the state) before using it.
     """
     wait_pending()  # a save still in flight finishes first (it may be the one to load)
     return _load(path, state, framework=framework, strict=strict, process_group=process_group,

@@ -74,6 +74,15 @@ class RankFailedError(CheckpointError):
         self.failures = failures
 
 
+class ProcessGroupError(RankFailedError):
+    """The process group itself failed in a checkpoint's collective: a rank crashed, was
+    killed or lost its connection, or did not answer within the group's timeout. The group
+    cannot carry another collective; restart the job from the last committed checkpoint."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {})
+
+
 class StorageError(CheckpointError):
     """A storage backend operation failed."""
 

@@ -40,6 +40,7 @@ from ..errors import (
     CorruptCheckpointError,
     DtypeMismatchError,
     MissingKeysError,
+    ProcessGroupError,
     RankFailedError,
     ShapeMismatchError,
     StateMismatchError,
@@ -193,8 +194,10 @@ def load(
         try:
             result = _load_local(url, state, framework, strict, comm, verify, threads, phases,
                                  fqn_map, process_group)
-        except Exception as exc:
+        except BaseException as exc:  # a KeyboardInterrupt too: told to the others, then raised
             error = exc
+        if isinstance(error, ProcessGroupError):
+            raise error  # the group is broken: another collective fails or waits out its timeout
         with span("load.barrier"):
             comm.check_all(error, "checkpoint load")
         assert result is not None
@@ -619,7 +622,7 @@ def _load_planned(url: str, state: dict[str, Any], framework: str | None, strict
                               "problems": bool(plan.problems), "host": socket.gethostname(),
                               "identity": plan.identity,
                               "nccl": xdev is not None})
-    except Exception as exc:
+    except BaseException as exc:  # raised after the all-gather (raise_failures): no rank waits
         local_error, mine = exc, Outcome.failure(exc)
     # The one collective before reading: every rank's keys and byte ranges (or its failure).
     everyone = comm.all_gather(mine)

@@ -21,9 +21,10 @@ over gloo that none has failed, so either every rank posts them or every rank st
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +33,14 @@ import torch.distributed as dist
 
 from telemetry import span
 
-from ..errors import CorruptCheckpointError, PlanningError, RankFailedError
+from ..errors import CheckpointError, CorruptCheckpointError, PlanningError, RankFailedError
 from ..format.boxes import Box, element_span, row_major_strides
 from ..format.checksums import bad_chunks
 from ..format.dtypes import byte_view
 from ..format.file_headers import DIRECT_PADDING
 from ..planners import LocalShard
 from ..runtime import devices
+from ..runtime.comm import group_failure
 from ..runtime.devices import on_device
 from ..storage import Storage
 from .read_plan import ReadUnit
@@ -369,6 +371,18 @@ def _aligned(n: int) -> int:
 _NO_FAILURE = 2**31 - 1
 
 
+@contextmanager
+def _transport(op: str, group: Any) -> Iterator[None]:
+    """A failed collective or transfer (a rank died, the group's timeout) as a named error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        raise group_failure(exc, op, world) from exc
+
+
 class LoadPipeline:
     """Runs the read units of one load on this rank (see the module docstring).
 
@@ -546,7 +560,8 @@ class LoadPipeline:
         self._take_check(wait=True)  # the first agreement waits for the file check
         first = torch.tensor([self.rank if self.error is not None else _NO_FAILURE], dtype=torch.int64)
         if self.distributed:
-            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.control)
+            with _transport("load's agreement", self.control):
+                dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.control)
         failed = int(first.item())
         if failed != _NO_FAILURE and self.error is None:
             self.error = RankFailedError(
@@ -584,7 +599,7 @@ class LoadPipeline:
                 if self.device.type == "cuda":
                     self._h2d = torch.cuda.Stream(self.device)
                 pending = self._submit(pool, groups[0], 0) if groups and self._may_read() else []
-            except Exception as exc:  # e.g. out of device memory: reported by the agreement
+            except BaseException as exc:  # e.g. out of device memory: reported by the agreement
                 self._fail(exc)
             for i, window in enumerate(groups):
                 recvs: list[dist.P2POp] = []
@@ -595,14 +610,14 @@ class LoadPipeline:
                         recvs = self._receives(window, bases[i])
                         if i + 1 < len(groups):
                             pending = self._submit(pool, groups[i + 1], (i + 1) % 2)
-                except Exception as exc:
+                except BaseException as exc:  # a KeyboardInterrupt too: the others must hear of it
                     self._fail(exc)
                 for j, u, fut in reads:  # wait for every read, so no thread writes into a dropped buffer
                     try:
                         settle(fut)
                         self.bytes_read += u.nbytes
                         sends.extend(self._sends(u, bases[i] + j))
-                    except Exception as exc:
+                    except BaseException as exc:
                         self._fail(exc)
                 if not self._agree():
                     for _, _, fut in pending:
@@ -627,7 +642,7 @@ class LoadPipeline:
             reqs = dist.batch_isend_irecv([*recvs, *sends]) if recvs or sends else []
         else:
             reqs = [op.op(op.tensor, op.peer, op.group, op.tag) for op in [*recvs, *sends]]
-        with span("load.exchange", requests=len(reqs)):
+        with span("load.exchange", requests=len(reqs)), _transport("load's exchange", self.control):
             for req in reqs:
                 req.wait()
 
@@ -657,7 +672,7 @@ class LoadPipeline:
             for read in done.values():
                 try:
                     copy_out(read, non_blocking=True)
-                except Exception as exc:
+                except BaseException as exc:
                     self._fail(exc)
             for dev in devices:  # the copies complete before their buffers are reused or dropped
                 with on_device(dev):

@@ -27,6 +27,7 @@ import functools
 import os
 import pickle
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -34,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CheckpointReplacedError, RankFailedError
+from ..errors import CheckpointError, CheckpointReplacedError, ProcessGroupError, RankFailedError
 
 T = TypeVar("T")
 _GLOO_GROUPS: dict[Any, Any] = {}
@@ -93,6 +94,30 @@ def _save_group(group: Any) -> Any:
         # Only the member ranks take part in creating it (every one of them is saving).
         _SAVE_GROUPS[ranks] = gloo_group_of(list(ranks))
     return _SAVE_GROUPS[ranks]
+
+
+def group_failure(exc: RuntimeError, op: str, world: int) -> ProcessGroupError:
+    """A failed ``torch.distributed`` call, by name: gloo raises a bare RuntimeError
+    ("Connection closed by peer", a timeout) that names no rank and no remedy."""
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return ProcessGroupError(
+        f"the process group failed in a checkpoint's {op} ({detail}): one of its {world} ranks "
+        "crashed, was killed or lost its connection, or did not answer within the group's "
+        "timeout. The group cannot carry another collective: restart the job and load its "
+        "latest committed checkpoint")
+
+
+def _transport(fn: Callable[..., T]) -> Callable[..., T]:
+    """Raise the failure of a collective of ``Communicator`` as a ``ProcessGroupError``."""
+    @functools.wraps(fn)
+    def wrapper(self: Communicator, *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise group_failure(exc, fn.__name__, self.world_size) from exc
+    return wrapper
 
 
 TREE_MIN_WORLD = 256
@@ -206,6 +231,7 @@ class Communicator:
     def _coordinator_global(self) -> int:
         return self.global_ranks[self.COORDINATOR]
 
+    @_transport
     def gather(self, outcome: Outcome) -> list[Outcome] | None:
         """All outcomes on the coordinator (indexed by group rank), None elsewhere."""
         if not self.distributed:
@@ -216,6 +242,7 @@ class Communicator:
         dist.gather_object(outcome, out, dst=self._coordinator_global(), group=self.group)
         return out
 
+    @_transport
     def scatter(self, per_rank: list[Outcome] | None) -> Outcome:
         """Give rank ``i`` the coordinator's ``per_rank[i]``."""
         if not self.distributed:
@@ -230,6 +257,7 @@ class Communicator:
         )
         return received[0]
 
+    @_transport
     def broadcast(self, outcome: Outcome | None) -> Outcome:
         """The coordinator's outcome on every rank."""
         if not self.distributed:
@@ -241,6 +269,7 @@ class Communicator:
         dist.broadcast_object_list(box, src=self._coordinator_global(), group=self.group)
         return box[0]
 
+    @_transport
     def all_gather(self, outcome: Outcome) -> list[Outcome]:
         if not self.distributed:
             return [outcome]
@@ -251,6 +280,7 @@ class Communicator:
         dist.all_gather_object(out, outcome, group=self.group)
         return out
 
+    @_transport
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank."""
         if not self.distributed:
@@ -377,9 +407,17 @@ def raise_failures(outcomes: list[Outcome], what: str, local_error: BaseExceptio
     summary = summarize_failures(outcomes)
     if summary is None:
         return
+    if local_error is not None and not isinstance(local_error, Exception):
+        raise local_error  # KeyboardInterrupt, SystemExit: the others were told; stop as asked
     shared = _shared_error(outcomes, what, local_error)
     if shared is not None:
         raise shared
+    if isinstance(local_error, RankFailedError):
+        # This rank only relays another's failure ("rank 1 failed while reading"): the
+        # summary of the ranks that failed themselves says why they did.
+        own = summarize_failures([o if o.error_type != "RankFailedError" else Outcome(value=True)
+                                  for o in outcomes])
+        raise RankFailedError(f"{what} {(own or summary).error}", (own or summary).value) from local_error
     # A rank that failed itself raises its own, more specific error.
     if isinstance(local_error, CheckpointError):
         raise local_error
