@@ -23,7 +23,7 @@ from fractions import Fraction
 from typing import Any
 
 from ..format.checksums import DEFAULT_CHUNK_BYTES
-from ..planning.global_plan import LocalSavePlan, WriteItem
+from ..planning.global_plan import LocalSavePlan, ReplicaRows, WriteItem
 from ..planning.save_metadata import RankWrite
 
 
@@ -58,6 +58,9 @@ class Assignment:
     # This rank's part of its host's bytes: its share of the host's write slots
     # (``host_files.write_shares``); None: no share.
     write_share: Fraction | None = None
+    # The rows of this rank's local plan that other ranks hold too, per replica set: their
+    # sampled digests go to the coordinator with the write (``engine/replicas.py``).
+    replicas: ReplicaRows = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,14 @@ from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILE
 from ..planners import LocalShard, get_planner
 from ..planning import plan_cache
-from ..planning.global_plan import GlobalSavePlan, LocalSavePlan, WriteItem, check_shared_objects, plan_save
+from ..planning.global_plan import (
+    GlobalSavePlan,
+    LocalSavePlan,
+    WriteItem,
+    check_replicas,
+    check_shared_objects,
+    plan_save,
+)
 from ..planning.plan_cache import CacheEntry, rows_digest, structure_key
 from ..planning.save_metadata import RankWrite, build_metadata, metadata_template
 from ..runtime import gc_pause
@@ -73,7 +80,7 @@ from ..runtime.gc_pause import gc_paused
 from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
 from ..storage import CommitMode, Storage, open_storage
-from . import host_files, pieces_memo, snapshot, staging, staging_ring, write_through
+from . import host_files, pieces_memo, replicas, snapshot, staging, staging_ring, write_through
 from .async_save import SaveHandle, launch_pending, save_turn, set_pending, wait_pending
 from .host_files import HostLayout
 from .messages import (
@@ -139,6 +146,8 @@ class _Job:
     snapshot: Snapshot | None = None  # an overlapped save's copy, settled before the commit
     modules: list[torch.nn.Module] = field(default_factory=list)  # the state's top-level modules
     cached: Assignment | None = None  # coordinator: the cached round it is writing (its staging)
+    # Sampled digests of the replicated boxes at save() time (or the error taking them).
+    replicas: dict[int, tuple[int, ...]] | BaseException = field(default_factory=dict)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -159,6 +168,17 @@ def _locate(item: WriteItem, shards: list[LocalShard]) -> Locator:
         if shard.box.intersect(item.box) == item.box:
             return i, item.box.relative_to(shard.box).slices()
     raise RuntimeError(f"{item.key}: this rank holds no box containing {item.box}")
+
+
+def _take_replica_digests(job: _Job, assignment: Assignment) -> None:
+    """Sample this rank's replicated boxes now, while they hold the values of this save()
+    call; a failure is raised inside this rank's write, so it reaches every rank."""
+    try:
+        views = [s.data if s is not None else None  # rows' data (None: the row of an empty share)
+                 for shards in job.shards.values() for s in shards or [None]]
+        job.replicas = replicas.replica_digests(views, assignment.replicas)
+    except Exception as exc:
+        job.replicas = exc
 
 
 def _source_views(job: _Job, items: list[WriteItem], locators: list[Locator] | None) -> list[torch.Tensor]:
@@ -266,9 +286,10 @@ def _plan_globally(job: _Job, plans: list[LocalSavePlan]) -> list[Outcome]:
     rank_bytes = [p.object_bytes + sum(i.nbytes for i in items)
                   for p, items in zip(plans, job.global_plan.assignments)]
     shares = host_files.write_shares(job.opts.files_per, job.opts.host_size, rank_bytes)
-    return [Outcome(value=Assign(Assignment(staging, save_id, items, shared, save_id, share)))
-            for items, shared, share in zip(job.global_plan.assignments,
-                                            job.global_plan.shared_assignments, shares)]
+    plan = job.global_plan
+    return [Outcome(value=Assign(Assignment(staging, save_id, items, shared, save_id, share, held)))
+            for items, shared, share, held in zip(plan.assignments, plan.shared_assignments, shares,
+                                                  plan.replica_rows)]
 
 
 def _commit(job: _Job, staging: str, save_id: str, writes: list[RankWrite], template: Any) -> Totals:
@@ -325,6 +346,8 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
         ids = {(w.plan_id, w.save_id) for w in written}
         if len(written) == world and entry is not None and ids == {(entry.plan_id, entry.save_id())}:
             check_shared_objects([w.shared for w in written])
+            assert entry.plan is not None
+            check_replicas(entry.plan.replica_keys, [w.write.replicas for w in written])
             totals = _commit(job, written[0].staging, entry.save_id(), [w.write for w in written],
                              entry.template)
             return [Outcome(value=Committed(totals))] * world
@@ -564,6 +587,8 @@ def _write(job: _Job, assignment: Assignment, sources: _Sources, makedirs: bool
            ) -> tuple[RankWrite | None, BaseException | None]:
     t = time.perf_counter()
     try:
+        if isinstance(job.replicas, BaseException):
+            raise job.replicas
         if job.host is not None:
             written = _write_host(job, job.host, assignment, sources, makedirs)
         else:
@@ -580,8 +605,8 @@ def _write(job: _Job, assignment: Assignment, sources: _Sources, makedirs: bool
         if job.snapshot is not None:  # an in-place write racing the copy fails the save here
             with span("save.confirm"):
                 job.snapshot.settle()
-        return written, None
-    except Exception as exc:
+        return dataclasses.replace(written, replicas=job.replicas), None
+    except BaseException as exc:  # a KeyboardInterrupt too: raised after the commit round
         if sources.stager is not None:  # a bounded arena's copy would wait for this writer
             sources.stager.cancel()
         return None, exc
@@ -603,7 +628,7 @@ def _write_host(job: _Job, host: HostLayout, assignment: Assignment, sources: _S
         assert job.flat is not None
         pairs = rank_entries(assignment.items, sources.fns, job.flat, _objects(job, assignment),
                              job.comm.rank, tag_rank_objects=True)
-    except Exception as exc:
+    except BaseException as exc:  # a KeyboardInterrupt too: the leader waits for the manifest
         error = exc
     tag = data_file_tag(job.storage, job.opts.overwrite, assignment.save_id)
     return host_files.write_host(job.comm, host, job.storage, assignment.staging, pairs, error,
@@ -625,6 +650,7 @@ def _commit_round(job: _Job, assignment: Assignment, written: RankWrite | None,
             if result is None:
                 try:
                     writes = [o.value for o in gathered]
+                    check_replicas(job.global_plan.replica_keys, [w.replicas for w in writes])
                     template = metadata_template(job.global_plan, writes)
                     result = Outcome(value=_commit(job, assignment.staging, assignment.save_id, writes,
                                                    template))
@@ -641,7 +667,7 @@ def _commit_round(job: _Job, assignment: Assignment, written: RankWrite | None,
     assert job.local is not None
     plan_cache.put(comm.global_ranks, CacheEntry(
         job.key, assignment.plan_id, 0, assignment.items, assignment.shared_keys,
-        job.global_plan, template, job.locators, assignment.write_share))
+        job.global_plan, template, job.locators, assignment.write_share, assignment.replicas))
     return final.value
 
 
@@ -676,6 +702,7 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
                 hit = False
                 sources.join()  # the old copies are done before the arena is reused
                 assignment = _plan(job, None)
+                _take_replica_digests(job, assignment)
                 sources = _Sources(job, assignment, stage=False)
                 sources.stage_in_background()
     except BaseException:
@@ -771,7 +798,7 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
                 job.host = host_files.resolve(opts.files_per, opts.host_size, comm.rank, comm.world_size)
                 split_checkpoint_path(path)
                 _collect(job, state, opts.framework, opts.fqn_map)
-            except Exception as exc:
+            except BaseException as exc:  # a KeyboardInterrupt too: raised after the plan round
                 local_error = exc
         job.phases["collect"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -795,10 +822,12 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
                 assert entry is not None
                 save_id = entry.save_id()
                 assignment = Assignment(staging_path(path, save_id), save_id, entry.items,
-                                         entry.shared_keys, entry.plan_id, entry.write_share)
+                                         entry.shared_keys, entry.plan_id, entry.write_share,
+                                         entry.replicas or [])
             else:
                 plan_cache.drop(comm.global_ranks)
                 assignment = _plan(job, local_error)
+        _take_replica_digests(job, assignment)
         job.phases["plan"] = time.perf_counter() - t
         if not opts.async_save:
             # Training waits for this save, so only its wall time counts, not the CPU that direct

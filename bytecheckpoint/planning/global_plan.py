@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import PlanningError
@@ -46,12 +47,55 @@ class LocalSavePlan:
     shared: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+# A rank's part in the replica check: (replica set id, the rows of its local plan it holds of
+# that set's boxes, in the set's order). The same boxes in the same order on every holder.
+ReplicaRows = list[tuple[int, Sequence[int]]]
+
+
 @dataclass
 class GlobalSavePlan:
     assignments: list[list[WriteItem]]  # per rank, in write order
     tensors: dict[str, tuple[str, tuple[int, ...]]]  # key -> (dtype, shape)
     planned_bytes: list[int] = field(default_factory=list)
     shared_assignments: list[list[str]] = field(default_factory=list)  # per rank
+    # Boxes several ranks offer, written once: per replica set id, the tensor key of each box
+    # in the set's order (to name the one whose holders disagree), and each rank's rows.
+    replica_keys: list[tuple[str, ...]] = field(default_factory=list)
+    replica_rows: list[ReplicaRows] = field(default_factory=list)  # per rank
+
+
+# Sampled digests per replica set and rank: one per bucket of the set's boxes (box i goes to
+# bucket i % REPLICA_BUCKETS), so a mismatch names the boxes of its bucket, not the whole set.
+REPLICA_BUCKETS = 16
+
+
+def check_replicas(replica_keys: list[tuple[str, ...]],
+                   digests_per_rank: list[dict[int, tuple[int, ...]]]) -> None:
+    """Raise if holders of replicated boxes sampled different values. A box several ranks
+    offer is written once (by one of them, or in row pieces by several), so replicas that
+    differ would be saved as one rank's values or a mix of them; run on every save."""
+    seen: dict[int, tuple[tuple[int, ...], int]] = {}
+    last: dict[int, tuple[int, ...]] | None = None
+    for rank, digests in enumerate(digests_per_rank):
+        if digests == last:  # data-parallel neighbours: one C-level compare
+            continue
+        last = digests
+        for set_id, buckets in digests.items():
+            prev = seen.setdefault(set_id, (buckets, rank))
+            if prev[0] != buckets:
+                raise PlanningError(_replica_message(replica_keys[set_id], prev[0], buckets, prev[1], rank))
+
+
+def _replica_message(keys: tuple[str, ...], a: tuple[int, ...], b: tuple[int, ...], ra: int, rb: int) -> str:
+    bad = {i for i, (x, y) in enumerate(zip(a, b)) if x != y} if len(a) == len(b) else set(range(len(a)))
+    names = sorted({k for i, k in enumerate(keys) if i % max(1, len(a)) in bad})
+    shown = ", ".join(names[:4]) + (f" (or one of {len(names) - 4} more)" if len(names) > 4 else "")
+    return (f"ranks {ra} and {rb} hold different values of {shown}, which both offer as the same "
+            "replicated tensor: a replica is saved once, so the checkpoint would hold one rank's "
+            "values (or a mix). Make replicas agree before saving (e.g. broadcast from one rank); "
+            "give tensors that are not replicas distinct names (pipeline stages: "
+            "fqn_map=bcp.pipeline_fqn_map(first_layer)); keep per-rank tensors (a local counter "
+            "or RNG state) in a plain state entry, which is saved per rank. Nothing was committed")
 
 
 def check_shared_objects(
@@ -144,10 +188,11 @@ def _plan_save(plans: list[LocalSavePlan], split_fraction: int, min_piece_bytes:
     # One pass: every rank agrees on each tensor's dtype and shape; each distinct box once.
     seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    rows: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}  # each holder's row
     items_by_key: dict[tuple[str, tuple[int, ...], tuple[int, ...]], WriteItem] = {}
     for plan in plans:
         rank = plan.rank
-        for item in plan.items:
+        for row, item in enumerate(plan.items):
             key = item.key
             prev = seen.get(key)
             if prev is None:
@@ -165,9 +210,11 @@ def _plan_save(plans: list[LocalSavePlan], split_fraction: int, min_piece_bytes:
             ranks = holders.get(k)
             if ranks is None:
                 holders[k] = [rank]
+                rows[k] = [row]
                 items_by_key[k] = item
             else:
                 ranks.append(rank)
+                rows[k].append(row)
     tensors = {k: v[:2] for k, v in seen.items()}
 
     index = {k: i for i, k in enumerate(tensors)}
@@ -189,6 +236,7 @@ def _plan_save(plans: list[LocalSavePlan], split_fraction: int, min_piece_bytes:
     shared_assignments = _assign_shared(plans, load)
     assignments: list[list[WriteItem]] = [[] for _ in range(world)]
     replicated: list[tuple[WriteItem, list[int]]] = []
+    replicated_rows: list[list[int]] = []
     for k, ranks in holders.items():
         item = items_by_key[k]
         if len(ranks) == 1:
@@ -196,6 +244,7 @@ def _plan_save(plans: list[LocalSavePlan], split_fraction: int, min_piece_bytes:
             load[ranks[0]] += item.nbytes
         else:
             replicated.append((item, ranks))
+            replicated_rows.append(rows[k])
 
     replicated_bytes = sum(item.nbytes for item, _ in replicated)
     max_piece = max(min_piece_bytes, replicated_bytes // max(1, world * split_fraction))
@@ -218,4 +267,26 @@ def _plan_save(plans: list[LocalSavePlan], split_fraction: int, min_piece_bytes:
 
     for items in assignments:
         items.sort(key=lambda it: (it.key, it.box.offsets, it.box.lengths))
-    return GlobalSavePlan(assignments, tensors, load, shared_assignments)
+    replica_keys, replica_rows = _replica_sets(world, replicated, replicated_rows, set_ids)
+    return GlobalSavePlan(assignments, tensors, load, shared_assignments, replica_keys, replica_rows)
+
+
+def _replica_sets(world: int, replicated: list[tuple[WriteItem, list[int]]], rows: list[list[int]],
+                  set_ids: list[int]) -> tuple[list[tuple[str, ...]], list[ReplicaRows]]:
+    """Per replica set, its boxes' keys; per rank, its rows of each set it belongs to, in the
+    same order on every holder (the order of ``replicated``)."""
+    keys: dict[int, list[str]] = defaultdict(list)
+    per_rank: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
+    for (item, ranks), held, set_id in zip(replicated, rows, set_ids):
+        keys[set_id].append(item.key)
+        for rank, row in zip(ranks, held):
+            per_rank[rank][set_id].append(row)
+    replica_keys = [tuple(keys[i]) for i in range(len(keys))]
+    return replica_keys, [[(i, _compact(r)) for i, r in sorted(mine.items())] for mine in per_rank]
+
+
+def _compact(rows: list[int]) -> Sequence[int]:
+    """A run of consecutive rows as a ``range`` (a DDP rank's whole plan): a few bytes to send."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        return range(rows[0], rows[-1] + 1)
+    return tuple(rows)

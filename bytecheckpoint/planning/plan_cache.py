@@ -26,7 +26,7 @@ from typing import Any
 
 import xxhash
 
-from .global_plan import GlobalSavePlan, LocalSavePlan, WriteItem
+from .global_plan import GlobalSavePlan, LocalSavePlan, ReplicaRows, WriteItem
 from .save_metadata import MetadataTemplate
 
 
@@ -43,6 +43,7 @@ class CacheEntry:
     # of the boxes the key covers (engine/save.py, _locate).
     locators: list[Any] | None = None
     write_share: Fraction | None = None  # this rank's part of its host's bytes (engine/save.py)
+    replicas: ReplicaRows | None = None  # this rank's rows in the replica check (engine/replicas.py)
 
     def save_id(self) -> str:
         """The id of the next save under this plan (the same on every rank)."""

@@ -11,7 +11,7 @@ sorting or geometry work.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -57,6 +57,9 @@ class RankWrite:
     boxes: list[tuple[str, Box, ByteMeta]]
     objects: list[ObjectMeta]
     columns: BoxColumns | None = None  # ``boxes``' ByteMeta as columns (see BoxColumns)
+    # Sampled digests of this rank's replicated boxes per replica set (engine/replicas.py),
+    # compared by the coordinator before it commits.
+    replicas: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,38 @@
+"""What a save does when ranks offer the same tensor with different values (review).
+
+A box several ranks offer is a replica and is written once. Replicas that differed (DDP
+ranks out of sync, pipeline stages that name their layers alike, a per-rank buffer, a
+``Replicate`` DTensor or ``TensorShard`` replica of its own) were committed silently as one
+rank's values, or, for a tensor large enough to be written in row pieces by several ranks, as
+a mix of both copies that no rank held. Now the holders' sampled digests are compared before
+the commit and the save is refused by name, on a cached plan too."""
+
+from __future__ import annotations
+
+from tests.support import save_consistency_workloads as cw
+
+
+def test_replicas_that_differ_are_refused_and_agreeing_ones_round_trip(world, tmp_path):
+    results = world(2).run(cw.diverged_replicas, str(tmp_path))
+    for rank, r in enumerate(results):
+        for case, key in [("ddp", "model/"), ("split", "model/w"), ("tensor_shard", "m/w"),
+                          ("dtensor", "model/w"), ("async", "model/c"), ("overlapped", "model/c"),
+                          ("host_files", "model/c")]:
+            refused = "PlanningError: ranks 0 and 1 hold different values of "
+            assert r[case].startswith(refused), (rank, case, r[case])
+            assert key in r[case] and "Nothing was committed" in r[case], (rank, case, r[case])
+        assert r["agree"] == "committed" and r["agree_exact"] is True, (rank, r)
+        assert r["agree_cached"] is True
+        # The cached plan's save names the one diverged buffer, not the agreeing tensors.
+        assert r["cached"].startswith("PlanningError: ranks 0 and 1 hold different values of "
+                                      "buffers/step, which"), (rank, r["cached"])
+        assert r["cached_after"] is False  # the refused save dropped the plan cache
+        # No refused checkpoint and no staging left.
+        assert r["left"] == ["after", "agree", "agree2", "latest"], r["left"]
+
+
+def test_pipeline_stages_save_their_own_layers_once_and_load_into_another_split(world, tmp_path):
+    results = world(2).run(cw.pipeline_stages, str(tmp_path))
+    for r in results:
+        assert r["no_map"].startswith("PlanningError: ranks 0 and 1 hold different values of model/0."), r
+        assert r["same_split"] is True and r["other_split"] is True, r
