@@ -149,6 +149,8 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
     Setting("BCP_SNAPSHOT_WRITE_THROUGH", "bytecheckpoint/engine/write_through.py", "1",
             "0 makes overlapped saves of host tensors copy into the staging arena instead of writing "
             "straight from the live tensors to a page-cached storage"),
+    Setting("BCP_DIFFERING_REPLICAS", "bytecheckpoint/engine/replicas.py", "refuse",
+            "replicas that differ between ranks: refuse the save, warn (save one copy), or off (no check)"),
     Setting("BCP_GC_PAUSE", "bytecheckpoint/runtime/gc_pause.py", "1",
             "0 keeps Python's garbage collector running during a save's foreground and loads"),
     Setting("BCP_STORAGE_RETRY_ATTEMPTS", _S3, "6", "attempts of a storage operation that fails transiently"),

@@ -8,17 +8,37 @@ elements of each such box (all of a small one) at ``save()`` time and the coordi
 the digests (:func:`~bytecheckpoint.planning.global_plan.check_replicas`). Sampling keeps the
 cost to one small gather per box; it catches replicas that differ throughout, not a single
 element of a large tensor.
+
+The samples are copied at ``save()`` time (on a GPU: kernels queued on the current stream, no
+wait), and turned into bytes and digests in the write, off the training's path.
+``BCP_DIFFERING_REPLICAS`` says what differing replicas do: ``refuse`` (the default),
+``warn`` (save the one copy and log the keys), ``off`` (take no samples).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xxhash
 
+from ..errors import InvalidArgumentError
 from ..planning.global_plan import REPLICA_BUCKETS, ReplicaRows
+
+MODE_ENV = "BCP_DIFFERING_REPLICAS"
+MODES = ("refuse", "warn", "off")
+
+
+def mode() -> str:
+    """What replicas that differ between ranks do (``BCP_DIFFERING_REPLICAS``)."""
+    value = os.environ.get(MODE_ENV, "").strip().lower() or "refuse"
+    if value not in MODES:
+        raise InvalidArgumentError(f"{MODE_ENV}={os.environ[MODE_ENV]!r}: expected one of {', '.join(MODES)}")
+    return value
 
 SAMPLES = 64  # elements hashed per box; a box of at most this many is hashed whole
 
@@ -47,7 +67,10 @@ def _sample(view: torch.Tensor) -> torch.Tensor:
         picked = view.view(-1)[:: _step(numel)]
     else:
         picked = view[_positions(tuple(view.shape))]
-    return picked.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    out = picked.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if out.numel() and out.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+        out = out.clone()  # still the live tensor's memory: digested later, so copy it now
+    return out
 
 
 def _bytes(samples: list[torch.Tensor]) -> list[bytes]:
@@ -66,16 +89,40 @@ def _bytes(samples: list[torch.Tensor]) -> list[bytes]:
     return out
 
 
-def replica_digests(views: list[torch.Tensor | None], replica_rows: ReplicaRows
-                    ) -> dict[int, tuple[int, ...]]:
-    """Per replica set this rank holds: one xxh3 digest per bucket of its boxes' samples.
-    ``views[row]`` is the data of row ``row`` of this rank's local plan."""
-    if not replica_rows:
+@dataclass
+class Samples:
+    """Copies of this rank's replicated boxes' samples, taken at ``save()`` time."""
+
+    replica_rows: ReplicaRows
+    rows: dict[int, torch.Tensor]
+    ready: list[Any] = field(default_factory=list)  # CUDA events recorded after the copies
+
+
+def take_samples(views: list[torch.Tensor | None], replica_rows: ReplicaRows) -> Samples | None:
+    """Sample this rank's replicated boxes now, while they hold this save()'s values.
+    ``views[row]`` is the data of row ``row`` of this rank's local plan. No host copy here: on a
+    GPU the sampling kernels are queued on the current stream, and an event marks their end."""
+    if not replica_rows or mode() == "off":
+        return None
+    rows = {row: _sample(views[row]) for _, held in replica_rows for row in held}  # type: ignore[arg-type]
+    ready = []
+    for device in {t.device for t in rows.values() if t.is_cuda}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        ready.append(event)
+    return Samples(replica_rows, rows, ready)
+
+
+def replica_digests(samples: Samples | None) -> dict[int, tuple[int, ...]]:
+    """Per replica set this rank holds: one xxh3 digest per bucket of its boxes' samples."""
+    if samples is None:
         return {}
-    rows = [row for _, held in replica_rows for row in held]
-    raw = dict(zip(rows, _bytes([_sample(views[row]) for row in rows])))  # type: ignore[arg-type]
+    for event in samples.ready:
+        event.synchronize()  # the copies were queued on the training's stream
+    rows = list(samples.rows)
+    raw = dict(zip(rows, _bytes([samples.rows[row] for row in rows])))
     out: dict[int, tuple[int, ...]] = {}
-    for set_id, held in replica_rows:
+    for set_id, held in samples.replica_rows:
         hashes = [xxhash.xxh3_64() for _ in range(min(REPLICA_BUCKETS, len(held)))]
         for i, row in enumerate(held):
             hashes[i % len(hashes)].update(raw[row])

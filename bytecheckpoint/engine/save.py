@@ -146,8 +146,8 @@ class _Job:
     snapshot: Snapshot | None = None  # an overlapped save's copy, settled before the commit
     modules: list[torch.nn.Module] = field(default_factory=list)  # the state's top-level modules
     cached: Assignment | None = None  # coordinator: the cached round it is writing (its staging)
-    # Sampled digests of the replicated boxes at save() time (or the error taking them).
-    replicas: dict[int, tuple[int, ...]] | BaseException = field(default_factory=dict)
+    # Samples of the replicated boxes taken at save() time (or the error taking them).
+    replicas: replicas.Samples | BaseException | None = None
 
     def release(self) -> None:
         if self.lock is not None:
@@ -170,15 +170,28 @@ def _locate(item: WriteItem, shards: list[LocalShard]) -> Locator:
     raise RuntimeError(f"{item.key}: this rank holds no box containing {item.box}")
 
 
-def _take_replica_digests(job: _Job, assignment: Assignment) -> None:
+def _take_replica_samples(job: _Job, assignment: Assignment) -> None:
     """Sample this rank's replicated boxes now, while they hold the values of this save()
-    call; a failure is raised inside this rank's write, so it reaches every rank."""
+    call (digested in the write); a failure is raised inside this rank's write, so it reaches
+    every rank."""
     try:
         views = [s.data if s is not None else None  # rows' data (None: the row of an empty share)
                  for shards in job.shards.values() for s in shards or [None]]
-        job.replicas = replicas.replica_digests(views, assignment.replicas)
+        job.replicas = replicas.take_samples(views, assignment.replicas)
     except Exception as exc:
         job.replicas = exc
+
+
+def _check_replicas(keys: list[tuple[str, ...]], digests: list[dict[int, tuple[int, ...]]]) -> None:
+    """Refuse replicas that differ, or only log them where ``BCP_DIFFERING_REPLICAS=warn``
+    (BatchNorm statistics under DDP differ per rank by design; the save keeps one copy)."""
+    try:
+        check_replicas(keys, digests)
+    except PlanningError as exc:
+        if replicas.mode() != "warn":
+            raise
+        warnings.warn(f"saving one copy of replicas that differ ({replicas.MODE_ENV}=warn): {exc}",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _source_views(job: _Job, items: list[WriteItem], locators: list[Locator] | None) -> list[torch.Tensor]:
@@ -347,7 +360,7 @@ def _answer(job: _Job, gathered: list[Outcome]) -> list[Outcome]:
         if len(written) == world and entry is not None and ids == {(entry.plan_id, entry.save_id())}:
             check_shared_objects([w.shared for w in written])
             assert entry.plan is not None
-            check_replicas(entry.plan.replica_keys, [w.write.replicas for w in written])
+            _check_replicas(entry.plan.replica_keys, [w.write.replicas for w in written])
             totals = _commit(job, written[0].staging, entry.save_id(), [w.write for w in written],
                              entry.template)
             return [Outcome(value=Committed(totals))] * world
@@ -589,6 +602,7 @@ def _write(job: _Job, assignment: Assignment, sources: _Sources, makedirs: bool
     try:
         if isinstance(job.replicas, BaseException):
             raise job.replicas
+        digests = replicas.replica_digests(job.replicas)
         if job.host is not None:
             written = _write_host(job, job.host, assignment, sources, makedirs)
         else:
@@ -605,7 +619,7 @@ def _write(job: _Job, assignment: Assignment, sources: _Sources, makedirs: bool
         if job.snapshot is not None:  # an in-place write racing the copy fails the save here
             with span("save.confirm"):
                 job.snapshot.settle()
-        return dataclasses.replace(written, replicas=job.replicas), None
+        return dataclasses.replace(written, replicas=digests), None
     except BaseException as exc:  # a KeyboardInterrupt too: raised after the commit round
         if sources.stager is not None:  # a bounded arena's copy would wait for this writer
             sources.stager.cancel()
@@ -650,7 +664,7 @@ def _commit_round(job: _Job, assignment: Assignment, written: RankWrite | None,
             if result is None:
                 try:
                     writes = [o.value for o in gathered]
-                    check_replicas(job.global_plan.replica_keys, [w.replicas for w in writes])
+                    _check_replicas(job.global_plan.replica_keys, [w.replicas for w in writes])
                     template = metadata_template(job.global_plan, writes)
                     result = Outcome(value=_commit(job, assignment.staging, assignment.save_id, writes,
                                                    template))
@@ -702,7 +716,7 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
                 hit = False
                 sources.join()  # the old copies are done before the arena is reused
                 assignment = _plan(job, None)
-                _take_replica_digests(job, assignment)
+                _take_replica_samples(job, assignment)
                 sources = _Sources(job, assignment, stage=False)
                 sources.stage_in_background()
     except BaseException:
@@ -827,7 +841,7 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
             else:
                 plan_cache.drop(comm.global_ranks)
                 assignment = _plan(job, local_error)
-        _take_replica_digests(job, assignment)
+        _take_replica_samples(job, assignment)
         job.phases["plan"] = time.perf_counter() - t
         if not opts.async_save:
             # Training waits for this save, so only its wall time counts, not the CPU that direct

@@ -95,7 +95,9 @@ def _replica_message(keys: tuple[str, ...], a: tuple[int, ...], b: tuple[int, ..
             "values (or a mix). Make replicas agree before saving (e.g. broadcast from one rank); "
             "give tensors that are not replicas distinct names (pipeline stages: "
             "fqn_map=bcp.pipeline_fqn_map(first_layer)); keep per-rank tensors (a local counter "
-            "or RNG state) in a plain state entry, which is saved per rank. Nothing was committed")
+            "or RNG state) in a plain state entry, which is saved per rank. Where copies differ by "
+            "design (BatchNorm running statistics under DDP without SyncBatchNorm), "
+            "BCP_DIFFERING_REPLICAS=warn saves one rank's copy. Nothing was committed")
 
 
 def check_shared_objects(

@@ -36,3 +36,14 @@ def test_pipeline_stages_save_their_own_layers_once_and_load_into_another_split(
     for r in results:
         assert r["no_map"].startswith("PlanningError: ranks 0 and 1 hold different values of model/0."), r
         assert r["same_split"] is True and r["other_split"] is True, r
+
+
+def test_differing_replicas_setting_and_samples_of_save_time(world, tmp_path):
+    results = world(2).run(cw.replica_settings, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r["warn"] == "committed" and r["off"] == "committed", (rank, r)
+        assert r["warn_warned"] is (rank == 0), (rank, r)  # the coordinator compares, and says so
+        assert r["off_warned"] is False, (rank, r)
+        assert r["warn_loaded"] in (0, 1), r  # one rank's copy, as the setting says
+        assert r["maybe"].endswith("BCP_DIFFERING_REPLICAS='maybe': expected one of refuse, warn, off"), r
+        assert r["later"] == "committed", (rank, r["later"])

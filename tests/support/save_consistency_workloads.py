@@ -3,7 +3,9 @@ offer the same tensor with different values (see tests/support/dist.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -112,4 +114,33 @@ def pipeline_stages(root: str) -> dict[str, Any]:
     out["other_split"] = all(
         torch.equal(every[f"{int(k.split('.', 1)[0]) + first}.{k.split('.', 1)[1]}"], v)
         for k, v in other.state_dict().items())
+    return out
+
+
+def replica_settings(root: str) -> dict[str, Any]:
+    """``BCP_DIFFERING_REPLICAS``: ``warn`` saves one copy and warns on the coordinator, ``off``
+    saves it silently, a bad value is refused by name; and the samples are those of ``save()``
+    time: a replica changed in place right after an async save returned is not a difference."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for mode in ("warn", "off", "maybe"):
+        os.environ["BCP_DIFFERING_REPLICAS"] = mode
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                state = {"model": Buffers(c=torch.tensor([rank]))}
+                out[mode] = _outcome(functools.partial(bcp.save, f"{root}/{mode}", state))
+            out[f"{mode}_warned"] = any("BCP_DIFFERING_REPLICAS=warn" in str(w.message)
+                                        and "model/c" in str(w.message) for w in caught)
+        finally:
+            del os.environ["BCP_DIFFERING_REPLICAS"]
+    if out["warn"] == "committed":
+        back = Buffers(c=torch.tensor([7]))
+        bcp.load(f"{root}/warn", {"model": back})
+        out["warn_loaded"] = back.c.item()
+    same = Buffers(c=torch.tensor([3]))
+    handle = bcp.save(f"{root}/later", {"model": same}, async_save=True)
+    if rank == 1:
+        same.c.add_(1)  # allowed once an async save (blocking snapshot) has returned
+    out["later"] = _outcome(lambda: handle)
     return out
