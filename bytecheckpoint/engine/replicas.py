@@ -107,7 +107,7 @@ def take_samples(views: list[torch.Tensor | None], replica_rows: ReplicaRows) ->
     rows = {row: _sample(views[row]) for _, held in replica_rows for row in held}  # type: ignore[arg-type]
     ready = []
     for device in {t.device for t in rows.values() if t.is_cuda}:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # synchronize() sleeps instead of spinning a core
         event.record(torch.cuda.current_stream(device))
         ready.append(event)
     return Samples(replica_rows, rows, ready)
