@@ -97,6 +97,11 @@ def resolve(url: str) -> tuple[Storage, str]:
         )
     if storage.exists(path):
         raise NotACheckpointError(f"{url} is a file, not a checkpoint (a directory a save committed)")
+    if storage.scheme == "mem":
+        raise NotACheckpointError(
+            f"{url}: no such checkpoint in this process (mem:// lives in the memory of the process "
+            "that saved it: another process, or this one after a restart, sees none of it; use "
+            "shm:// to share checkpoints between the processes of a host)")
     raise NotACheckpointError(f"{url}: no such checkpoint")
 
 

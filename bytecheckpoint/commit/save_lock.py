@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import ConcurrentSaveError
+from ..errors import ConcurrentSaveError, StorageIOError
 from ..storage import CommitMode, Storage
 from ..storage.local import LocalStorage
 from ..storage.wrapper import StorageWrapper
@@ -171,7 +171,7 @@ class SaveLock:
     def _take_flock(self, lock_file: str) -> None:
         os.makedirs(os.path.dirname(lock_file) or ".", exist_ok=True)
         while True:
-            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock_file(lock_file)
             try:
                 import fcntl
 
@@ -264,6 +264,19 @@ class SaveLock:
         with _HELD_LOCK:
             if _HELD.get(self._key) is self:
                 del _HELD[self._key]
+
+
+def _open_lock_file(lock_file: str) -> int:
+    """Open (create) a lock file, never through a symbolic link planted at its path: the
+    holder truncates and rewrites it, which would clobber whatever file the link names."""
+    try:
+        return os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise StorageIOError(f"{lock_file} is a symbolic link, not a save lock; remove it (what it "
+                             "points to was not touched)", op="lock", path=lock_file,
+                             errno=exc.errno) from None
 
 
 def _read_fd(fd: int) -> dict[str, Any] | None:

@@ -793,6 +793,17 @@ def save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sav
             launch_pending()  # an overlapped save's copy and write (never left unstarted)
 
 
+def _refuse_process_private(url: str, storage: Storage, comm: Communicator) -> None:
+    """``mem://`` is one process's memory: the files other ranks wrote would stay in theirs, and
+    the coordinator would commit a checkpoint no process can load while every rank reported
+    success. Refused on every rank, before anything is written."""
+    if storage.scheme == "mem" and comm.distributed and comm.world_size > 1:
+        raise InvalidArgumentError(
+            f"{url} is in-memory storage of one process, but this save runs on "
+            f"{comm.world_size} ranks in separate processes; save to shm:// (the ranks of one host) "
+            "or to a file system or object store every rank reaches")
+
+
 def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | SaveHandle:
     t0 = time.perf_counter()
     comm = Communicator(opts.process_group, dedicated=True)
@@ -811,6 +822,7 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
             try:
                 job.host = host_files.resolve(opts.files_per, opts.host_size, comm.rank, comm.world_size)
                 split_checkpoint_path(path)
+                _refuse_process_private(url, storage, comm)
                 _collect(job, state, opts.framework, opts.fqn_map)
             except BaseException as exc:  # a KeyboardInterrupt too: raised after the plan round
                 local_error = exc

@@ -6,6 +6,7 @@ atomic under a lock, like a POSIX directory rename.
 
 from __future__ import annotations
 
+import posixpath
 import threading
 
 from .base import CommitMode, Storage, Writer
@@ -13,6 +14,13 @@ from .base import CommitMode, Storage, Writer
 _LOCK = threading.RLock()
 _FILES: dict[str, bytes] = {}
 _DIRS: set[str] = {""}
+
+
+def _key(path: str) -> str:
+    """The one name of ``path`` in the namespace: ``a//b``, ``a/./b`` and ``x/../a/b`` are ``a/b``,
+    as on a file system (else a checkpoint saved through one spelling is missing through another,
+    ``latest`` included); ``..`` never climbs above the namespace's root."""
+    return posixpath.normpath("/" + path).lstrip("/")
 
 
 def _parent(path: str) -> str:
@@ -45,11 +53,11 @@ class MemoryStorage(Storage):
     buffered_writes = True  # write() keeps a copy of the bytes
 
     def open_writer(self, path: str) -> Writer:
-        return _MemoryWriter(self, path.strip("/"))
+        return _MemoryWriter(self, _key(path))
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         with _LOCK:
-            data = _FILES.get(path.strip("/"))
+            data = _FILES.get(_key(path))
         if data is None:
             raise FileNotFoundError(self.url(path))
         chunk = data[offset : offset + len(buffer)]
@@ -57,7 +65,7 @@ class MemoryStorage(Storage):
         return len(chunk)
 
     def size(self, path: str) -> int:
-        path = path.strip("/")
+        path = _key(path)
         with _LOCK:
             if path in _FILES:
                 return len(_FILES[path])
@@ -66,7 +74,7 @@ class MemoryStorage(Storage):
         raise FileNotFoundError(self.url(path))
 
     def list_dir(self, path: str) -> list[str]:
-        path = path.strip("/")
+        path = _key(path)
         prefix = f"{path}/" if path else ""
         with _LOCK:
             names = {p[len(prefix) :].split("/", 1)[0] for p in (*_FILES, *_DIRS) if p.startswith(prefix)}
@@ -75,17 +83,17 @@ class MemoryStorage(Storage):
 
     def is_dir(self, path: str) -> bool:
         with _LOCK:
-            return path.strip("/") in _DIRS
+            return _key(path) in _DIRS
 
     def makedirs(self, path: str) -> None:
-        path = path.strip("/")
+        path = _key(path)
         with _LOCK:
             while path not in _DIRS:
                 _DIRS.add(path)
                 path = _parent(path)
 
     def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
-        src, dst = src.strip("/"), dst.strip("/")
+        src, dst = _key(src), _key(dst)
         with _LOCK:
             if overwrite and src in _FILES and dst not in _DIRS:
                 _FILES.pop(dst, None)
@@ -105,7 +113,7 @@ class MemoryStorage(Storage):
                 _DIRS.add(dst + d[len(src) :])
 
     def delete(self, path: str) -> None:
-        path = path.strip("/")
+        path = _key(path)
         with _LOCK:
             _FILES.pop(path, None)
             for p in [p for p in _FILES if p.startswith(path + "/")]:
