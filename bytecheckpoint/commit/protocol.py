@@ -43,7 +43,14 @@ import msgpack
 import xxhash
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
-from ..format.metadata import FORMAT_NAME, METADATA_FILE, CheckpointMetadata, check_file_name
+from ..format.metadata import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAGIC,
+    METADATA_FILE,
+    CheckpointMetadata,
+    check_file_name,
+)
 from ..storage import CommitMode, Storage
 from . import save_lock
 from .leases import LEASED_SCHEMES, is_being_read
@@ -154,7 +161,7 @@ def checkpoint_files(storage: Storage, path: str) -> set[str] | None:
     try:
         names = {f.name for f in CheckpointMetadata.from_bytes(raw, source=url).files}
     except CorruptCheckpointError:
-        names = _loose_file_names(raw)  # damaged, but ours: it may still be replaced
+        names = _loose_file_names(raw, url)  # damaged, but ours: it may still be replaced
         if names is None:
             raise NotACheckpointError(
                 f"{url}: {METADATA_FILE} is not bytecheckpoint metadata, so this is not a "
@@ -163,15 +170,30 @@ def checkpoint_files(storage: Storage, path: str) -> set[str] | None:
     return names | {METADATA_FILE}
 
 
-def _loose_file_names(raw: bytes) -> set[str] | None:
+def _newer(url: str, what: str) -> NotACheckpointError:
+    return NotACheckpointError(
+        f"{url} holds a checkpoint of {what}, newer than this library reads (format version "
+        f"{FORMAT_VERSION}); it is left as it is. Upgrade bytecheckpoint to replace it, or remove "
+        "it yourself")
+
+
+def _loose_file_names(raw: bytes, url: str) -> set[str] | None:
+    # Formats 2 on put the document behind MAGIC and a digest: a damaged one is read past them
+    # (reading from byte 0 decoded the magic's first byte as a number: "not ours").
+    if raw[: len(MAGIC) - 1] == MAGIC[:-1] and not raw.startswith(MAGIC):
+        raise _newer(url, "a later metadata header")
+    body = raw[len(MAGIC) + 16:] if raw.startswith(MAGIC) else raw
     try:  # the first object only: whatever follows it (a trailer, damage) does not matter here
-        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(raw) + 1)
-        unpacker.feed(raw)
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(body) + 1)
+        unpacker.feed(body)
         doc = next(unpacker)
     except Exception:  # any decoding failure: not ours
         return None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         return None
+    version = doc.get("version")
+    if type(version) is int and version > FORMAT_VERSION:  # which files it holds is not ours to guess
+        raise _newer(url, f"format version {version}")
     names = set()
     for entry in doc.get("files") or []:
         with contextlib.suppress(TypeError, IndexError, UnsafeCheckpointError):

@@ -274,7 +274,12 @@ def pack_document(doc: dict[str, Any]) -> bytes:
 def unpack_document(data: bytes | bytearray | memoryview, *, source: str = "metadata") -> Any:
     """The document of a metadata file, its checksum checked (format 1 files have none)."""
     view = memoryview(data).cast("B")
-    if bytes(view[: len(MAGIC)]) == MAGIC:
+    head = bytes(view[: len(MAGIC)])
+    if head[:-1] == MAGIC[:-1] and head != MAGIC:  # our magic with another last byte: a later envelope
+        raise CorruptCheckpointError(
+            f"{source}: the metadata's header {head!r} is of a format newer than this library "
+            f"supports ({FORMAT_VERSION}); upgrade bytecheckpoint to read it")
+    if head == MAGIC:
         body = view[_ENVELOPE:]
         if len(view) < _ENVELOPE or xxhash.xxh3_128_digest(body) != bytes(view[len(MAGIC) : _ENVELOPE]):
             raise CorruptCheckpointError(f"{source}: the metadata's checksum does not match its contents; "
@@ -285,7 +290,8 @@ def unpack_document(data: bytes | bytearray | memoryview, *, source: str = "meta
     try:
         doc = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise CorruptCheckpointError(f"{source}: not a readable metadata file ({exc!r})") from exc
+        # _short: msgpack's ExtraData carries (and its repr prints) every byte after the first object
+        raise CorruptCheckpointError(f"{source}: not a readable metadata file ({_short(exc)})") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{source}: not a bytecheckpoint metadata file")
     version = doc.get("version")
