@@ -104,7 +104,23 @@ def take_samples(views: list[torch.Tensor | None], replica_rows: ReplicaRows) ->
     GPU the sampling kernels are queued on the current stream, and an event marks their end."""
     if not replica_rows or mode() == "off":
         return None
-    rows = {row: _sample(views[row]) for _, held in replica_rows for row in held}  # type: ignore[arg-type]
+    rows: dict[int, torch.Tensor] = {}
+    alike: dict[tuple[Any, ...], list[tuple[int, torch.Tensor]]] = defaultdict(list)
+    for _, held in replica_rows:
+        for row in held:
+            view = views[row]
+            assert view is not None
+            if view.numel() <= SAMPLES and not view.is_complex():  # complex: conj views, below
+                alike[(view.device, view.dtype, tuple(view.shape))].append((row, view))
+            else:
+                rows[row] = _sample(view)
+    with torch.no_grad():
+        for group in alike.values():
+            # Small boxes alike (optimizer step counters: one per parameter) whole, stacked in one
+            # copy: per-box tensor calls cost more than the copy.
+            blob = torch.stack([v for _, v in group]).reshape(len(group), -1).view(torch.uint8)
+            for i, (row, _) in enumerate(group):
+                rows[row] = blob[i]
     ready = []
     for device in {t.device for t in rows.values() if t.is_cuda}:
         event = torch.cuda.Event(blocking=True)  # synchronize() sleeps instead of spinning a core
