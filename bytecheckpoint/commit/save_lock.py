@@ -92,7 +92,7 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
-def _owner_doc(save_id: str) -> dict[str, Any]:
+def owner_doc(save_id: str) -> dict[str, Any]:
     now = time.time()
     return {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(),
             "pid_start": _process_start(os.getpid()), "started": now, "heartbeat": now}
@@ -156,7 +156,7 @@ class SaveLock:
 
     def __init__(self, storage: Storage, path: str, save_id: str, key: str) -> None:
         self.storage, self.path, self.save_id, self._key = storage, path, save_id, key
-        self.owner = _owner_doc(save_id)
+        self.owner = owner_doc(save_id)
         self._fd: int | None = None
         self._lock_file: str | None = None
         self._record: str | None = None

@@ -286,11 +286,16 @@ def _untied_into_tied(tensors: dict[str, Any], meta: CheckpointMetadata) -> dict
     return problems
 
 
+def _local_of(value: Any) -> Any:
+    """The tensor a target's bytes land in: a shard's data, a DTensor's local tensor."""
+    return value.data if isinstance(value, TensorShard) else getattr(value, "_local_tensor", value)
+
+
 def _check_writable(key: str, value: Any) -> None:
     """A target must have memory of its own for each element: a meta tensor has none, and one
     whose elements are one memory location (``expand()``: stride 0) cannot hold a loaded value
     (torch refused the copy with a bare RuntimeError after reading)."""
-    t = value.data if isinstance(value, TensorShard) else getattr(value, "_local_tensor", value)
+    t = _local_of(value)
     if isinstance(t, torch.Tensor) and t.is_meta:
         # Copies into a meta tensor do nothing: the load reported success and filled nothing.
         raise StateMismatchError(
@@ -305,7 +310,7 @@ def _check_writable(key: str, value: Any) -> None:
 def _target_memory(value: Any) -> tuple[torch.Tensor, int] | None:
     """A target's local tensor and its storage's address; None when it has no memory to tell
     (meta, fake, empty)."""
-    t = value.data if isinstance(value, TensorShard) else getattr(value, "_local_tensor", value)
+    t = _local_of(value)
     if not isinstance(t, torch.Tensor) or not t.numel():
         return None
     try:

@@ -43,7 +43,7 @@ from ..storage.local import LocalStorage
 from .protection import untouchable_reason
 from .records import CheckpointInfo
 
-_LOCAL = LocalStorage(fsync=False)  # listing a local root: no retries or I/O events per stat
+LOCAL_DISK = LocalStorage(fsync=False)  # listing a local root: no retries or I/O events per stat
 
 __all__ = ["CheckpointInfo", "Catalog", "cold_references", "cold_root_of", "cold_target", "describe",
            "hot_bytes", "inside", "is_cold_link", "open_root", "orphans", "read_meta",
@@ -55,7 +55,7 @@ def open_root(url: str) -> tuple[Storage, str]:
     path), anything else through the storage layer (retries, any backend)."""
     scheme, rest = split_url(url)
     if scheme == "file":
-        return _LOCAL, os.path.abspath(rest)
+        return LOCAL_DISK, os.path.abspath(rest)
     return open_storage(url)
 
 
@@ -306,13 +306,13 @@ def describe(path: str, hot_root: str, cold_root: str | None) -> CheckpointInfo 
         return None
     run_dir, name = os.path.split(os.path.abspath(path))
     hot_root = os.path.abspath(hot_root)
-    catalog = Catalog(_LOCAL, hot_root, cold_root)
+    catalog = Catalog(LOCAL_DISK, hot_root, cold_root)
     entries = os.listdir(run_dir)
     staging = _staging_names(entries)
     read = catalog._read(path)
     if read is None and not catalog._is_checkpoint_dir(path, staging)[0]:
         return None
-    latest, latest_problem = latest_of(_LOCAL, run_dir, entries)
+    latest, latest_problem = latest_of(LOCAL_DISK, run_dir, entries)
     run = os.path.relpath(run_dir, hot_root) if run_dir != hot_root else "."
     return catalog._info(run, run_dir, name, read, latest, latest_problem, staging, True).info
 

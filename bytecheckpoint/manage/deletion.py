@@ -39,7 +39,7 @@ from ..errors import CheckpointError
 from ..format.metadata import METADATA_FILE
 from ..storage import Storage
 from ..storage.local import fsync_dir
-from .catalog import _LOCAL, CheckpointInfo, cold_references, cold_target, describe, inside, latest_of
+from .catalog import LOCAL_DISK, CheckpointInfo, cold_references, cold_target, describe, inside, latest_of
 from .journal import Journal
 from .protection import untouchable_reason
 
@@ -160,7 +160,7 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
     op_id = uuid.uuid4().hex[:12]
     # The path's save lock, held to the end: a recovery pass (or a save) never works on a
     # deletion still running, and a crashed one's lock goes with its process.
-    lock = save_lock.try_acquire(_LOCAL, path, f"delete-{op_id}")
+    lock = save_lock.try_acquire(LOCAL_DISK, path, f"delete-{op_id}")
     if lock is None:
         raise DeletionRefusedError(f"{path}: a save, deletion or repair holds its path; kept")
     try:
@@ -206,7 +206,7 @@ def _write_record(record: str, path: str, trash: str, fresh: CheckpointInfo, op_
     deletion's: the directory's inode, the checkpoint's files and metadata identity, and who
     deleted (a live deleter's work is never taken over)."""
     st = os.lstat(path)
-    doc = {**save_lock._owner_doc(f"delete-{op_id}"), "op": "delete", "id": op_id, "checkpoint": path,
+    doc = {**save_lock.owner_doc(f"delete-{op_id}"), "op": "delete", "id": op_id, "checkpoint": path,
            "trash": trash, "dev": st.st_dev, "ino": st.st_ino, "files": list(fresh.files),
            "identity": fresh.identity.hex()}
     fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -335,7 +335,7 @@ def _only_its_files(trash: str, doc: dict, cold_root: str | None) -> bool:
                                       or (stat.S_ISLNK(st.st_mode) and cold_root is not None)):
             return False
     if os.path.lexists(os.path.join(trash, METADATA_FILE)):
-        now = metadata_identity(_LOCAL, trash)
+        now = metadata_identity(LOCAL_DISK, trash)
         return now is not None and now.hex() == doc.get("identity")
     return True
 
@@ -380,7 +380,7 @@ def recover_unjournaled(hot_root: str, cold_root: str | None) -> int:
             if m is None:
                 continue
             home = os.path.join(parent, m["name"])
-            lock = save_lock.try_acquire(_LOCAL, home, f"recover-{m['id']}")
+            lock = save_lock.try_acquire(LOCAL_DISK, home, f"recover-{m['id']}")
             if lock is None:
                 continue  # a deletion or save works on that path now: the next pass
             try:
