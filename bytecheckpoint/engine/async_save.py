@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidArgumentError
 from ..runtime.devices import on_device
 from .snapshot import Snapshot
 
@@ -39,6 +40,7 @@ class SaveHandle:
         self._observed = False
         self._run: Callable[[], None] | None = None  # not yet handed to the worker
         self._snapshot = snapshot  # None: the copy was done before save() returned
+        self._pid = os.getpid()  # only this process runs the save (see _check_process)
 
     def _start(self, work: Callable[[], Any], device: torch.device | None = None,
                deferred: bool = False) -> None:
@@ -72,6 +74,15 @@ class SaveHandle:
         except RuntimeError:  # no new thread (interpreter shutdown): finish it here instead
             run()  # of leaving the handle, and the collector's pause, waiting for ever
 
+    def _check_process(self) -> None:
+        """A forked child inherits the handle but not the thread running the save: waiting
+        for it there would never end, so it is refused by name."""
+        if os.getpid() != self._pid and not self._future.done():
+            raise InvalidArgumentError(
+                f"the async save to {self.path} (step {self.step}) runs in process {self._pid}, "
+                f"not in this forked process {os.getpid()}: wait for it in the process that "
+                "called save()")
+
     def _confirm(self, timeout: float | None = None) -> bool:
         """Every call on the handle confirms an overlapped snapshot once its copy is done
         (see :mod:`.snapshot`): the caller has finished the writes it issued before."""
@@ -86,6 +97,7 @@ class SaveHandle:
 
     def done(self) -> bool:
         """True when the save has committed or failed."""
+        self._check_process()
         self._confirm(timeout=0)
         return self._future.done()
 
@@ -94,6 +106,7 @@ class SaveHandle:
         writes straight from them (or until that failed), so they may be changed in any way;
         True unless ``timeout`` seconds passed first. Returns at once for a blocking
         snapshot. The save's own error, if any, comes from ``wait()``."""
+        self._check_process()
         snap = self._snapshot
         if snap is None:
             return True
@@ -106,6 +119,7 @@ class SaveHandle:
         """Block until the save is committed and return its ``SaveResult``; raise its error.
 
         Raises ``TimeoutError`` if it is still running after ``timeout`` seconds."""
+        self._check_process()
         self._observed = True
         left = self._confirm_then_left(timeout)
         try:
@@ -118,11 +132,13 @@ class SaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None once it has committed (waits like ``wait``)."""
+        self._check_process()
         self._observed = True
         return self._future.exception(self._confirm_then_left(timeout))
 
     def __repr__(self) -> str:
-        state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")
+        future = self._future
+        state = "running" if not future.done() else ("failed" if future.exception() else "committed")
         return f"SaveHandle({self.path!r}, step={self.step}, {state})"
 
 
