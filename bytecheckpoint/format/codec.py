@@ -24,9 +24,11 @@ _EXT_BIGINT = 5
 _EXT_DTYPE = 6
 
 
-def _default(obj: Any) -> msgpack.ExtType:
+def _default(obj: Any, depth: int) -> msgpack.ExtType:
+    if isinstance(obj, tuple | torch.Tensor | np.ndarray | dict):
+        _check_depth(depth)
     if isinstance(obj, tuple):
-        return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
+        return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj), depth + 1))
     if isinstance(obj, torch.Tensor):
         if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
             raise UnsupportedStateError(
@@ -36,7 +38,7 @@ def _default(obj: Any) -> msgpack.ExtType:
         check_storable(obj)
         t = obj.detach().to("cpu").contiguous()
         raw = byte_view(t).numpy().tobytes() if t.numel() else b""
-        return msgpack.ExtType(_EXT_TENSOR, _pack([dtype_name(t.dtype), list(t.shape), raw]))
+        return msgpack.ExtType(_EXT_TENSOR, _pack([dtype_name(t.dtype), list(t.shape), raw], depth + 1))
     if isinstance(obj, np.ndarray):
         # ascontiguousarray makes a 0-d array 1-d: the shape stored is the array's own
         a = np.ascontiguousarray(obj)
@@ -46,12 +48,12 @@ def _default(obj: Any) -> msgpack.ExtType:
             raise UnsupportedStateError(
                 f"numpy arrays of structured or void dtype ({a.dtype}) cannot be stored: store "
                 "each field as its own array")
-        return msgpack.ExtType(_EXT_NDARRAY, _pack([a.dtype.str, list(obj.shape), a.tobytes()]))
+        return msgpack.ExtType(_EXT_NDARRAY, _pack([a.dtype.str, list(obj.shape), a.tobytes()], depth + 1))
     if isinstance(obj, np.generic):
-        return obj.item()
+        return _numpy_scalar(obj)
     if isinstance(obj, dict):
         # Non-string keys (e.g. optimizer param ids) need their own tag.
-        return msgpack.ExtType(_EXT_INTKEY_DICT, _pack([[k, v] for k, v in obj.items()]))
+        return msgpack.ExtType(_EXT_INTKEY_DICT, _pack([[k, v] for k, v in obj.items()], depth + 1))
     if isinstance(obj, int):
         return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
     if isinstance(obj, torch.dtype):
@@ -63,8 +65,9 @@ def _default(obj: Any) -> msgpack.ExtType:
     )
 
 
-def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
+def _pack(obj: Any, depth: int = 0) -> bytes:
+    return msgpack.packb(obj, default=lambda o: _default(o, depth), use_bin_type=True,
+                         strict_types=True)
 
 
 # Extension values nest (a tuple in a dict in a tuple...), and each level is decoded by a
@@ -72,6 +75,33 @@ def _pack(obj: Any) -> bytes:
 # (SIGSEGV). Real state nests a handful of levels (an RNG state: a tuple in a tuple).
 MAX_DEPTH = 32
 _MAX_NDIM = 64
+
+
+def _check_depth(depth: int) -> None:
+    """Refuse at save what every load would refuse as damaged (``_ext_hook``'s limit): the
+    checkpoint would be committed and never load."""
+    if depth >= MAX_DEPTH:
+        raise UnsupportedStateError(
+            f"a value in the state nests more than {MAX_DEPTH} levels of tuples, tensors, numpy "
+            "arrays and dict subclasses (OrderedDict); flatten it, or use lists and plain dicts "
+            "for the outer levels")
+
+
+# Numpy scalar kinds whose ``item()`` is a bool, int, float, str or bytes of exactly its value.
+_EXACT_SCALAR_KINDS = frozenset("biufSU")
+
+
+def _numpy_scalar(obj: np.generic) -> Any:
+    """A numpy scalar is stored as the Python value it equals (a load into a target that holds
+    a numpy scalar there gets its dtype back). One with no such value (long double, complex,
+    datetime, void) is refused: ``item()`` gave a lossy float, a unitless int or a type the
+    codec cannot store."""
+    value = obj.item()
+    if obj.dtype.kind in _EXACT_SCALAR_KINDS and type(value) in (bool, int, float, str, bytes):
+        return value
+    raise UnsupportedStateError(
+        f"cannot store a numpy scalar of dtype {obj.dtype} exactly as a plain value; store it "
+        "as a 0-d numpy array (numpy.asarray(x)), which keeps its dtype")
 
 
 def _ext_hook(code: int, data: bytes, depth: int) -> Any:
@@ -139,6 +169,12 @@ def encode(obj: Any) -> bytes:
             f"a string in the state cannot be stored as UTF-8 ({exc.reason} at position "
             f"{exc.start} of {exc.object[max(0, exc.start - 20):exc.end + 20]!r}); store it as "
             "bytes, or encode it with errors='surrogatepass' yourself") from None
+    except (RecursionError, ValueError) as exc:  # msgpack: "recursion limit exceeded"
+        if isinstance(exc, ValueError) and "recursion limit" not in str(exc):
+            raise
+        raise UnsupportedStateError(
+            "a value in the state nests too deeply to store (over 1000 levels of lists and dicts), "
+            "or holds itself (a list or dict that contains itself); store a flat form") from None
 
 
 def decode(data: bytes) -> Any:

@@ -93,14 +93,16 @@ def stamp_topology(tensors: Iterable[Any]) -> None:
         set_context(**updates)
 
 
-def state_tensors(state: Any, _seen: set[int] | None = None) -> Iterator[Any]:
+def state_tensors(state: Any, _seen: set[int] | None = None, _depth: int = 0) -> Iterator[Any]:
     """The tensors a save or load is handed, found without flattening it: in mappings, lists
     and tuples, a module's parameters and buffers and an optimizer's parameters (a lazy walk,
     so ``stamp_topology`` stops at the first DTensor). The state's first events (a load's
     metadata read, a save's first storage calls) come before the flattening, and carried no
-    dp / tp / pp, or an earlier mesh's, without it."""
+    dp / tp / pp, or an earlier mesh's, without it. Values nested deeper than
+    ``_MAX_WALK_DEPTH`` are not walked: a very deep plain value raised a raw RecursionError
+    here, before the codec could refuse it by name."""
     seen = set() if _seen is None else _seen
-    if id(state) in seen:
+    if id(state) in seen or _depth > _MAX_WALK_DEPTH:
         return
     seen.add(id(state))
     if isinstance(state, torch.Tensor):
@@ -113,10 +115,13 @@ def state_tensors(state: Any, _seen: set[int] | None = None) -> Iterator[Any]:
             yield from group.get("params", ())
     elif isinstance(state, Mapping):
         for value in state.values():
-            yield from state_tensors(value, seen)
+            yield from state_tensors(value, seen, _depth + 1)
     elif isinstance(state, (list, tuple)):
         for value in state:
-            yield from state_tensors(value, seen)
+            yield from state_tensors(value, seen, _depth + 1)
+
+
+_MAX_WALK_DEPTH = 64  # real states nest a handful of levels
 
 
 def _root_of(mesh: Any) -> Any:

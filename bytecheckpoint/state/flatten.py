@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import StateMismatchError, UnsupportedStateError
 from ..format import codec
 from ..format.dtypes import check_storable
+from .plain_types import like
 from .tensor_shard import (
     ShardSet,
     TensorShard,
@@ -188,6 +189,7 @@ def _flatten_module(key: str, module: nn.Module, flat: FlatState, fqn_map: FqnMa
     raw_names: dict[str, str] = {}
     live = _live_storages(module) if for_load else set()
     copies: dict[str, torch.Tensor] = {}  # tensors of state_dict() that are not the module's own
+    objects: dict[str, Any] = {}  # its non-tensor values (``_extra_state``)
     # A load copies into the values in place, which a parameter that requires grad refuses.
     for fqn, (name, value) in adapter.entries(module, fqn_map, keep_vars=not for_load).items():
         raw_names[fqn] = name
@@ -196,11 +198,12 @@ def _flatten_module(key: str, module: nn.Module, flat: FlatState, fqn_map: FqnMa
             if for_load and isinstance(value, torch.Tensor) and _storage_of(value) not in live:
                 copies[name] = value
         else:
-            flat.shared_objects[f"{key}/{fqn}"] = value
+            flat.shared_objects[f"{key}/{fqn}"] = objects[fqn] = value
 
     def apply(shared: dict[str, Any], _rank: dict[str, Any]) -> None:
-        extra = {raw_names[k[len(key) + 1 :]]: v for k, v in shared.items()
-                 if k.startswith(f"{key}/") and k[len(key) + 1 :] in raw_names}
+        # non-tensor values with the types the module's own state_dict() has (``like``)
+        extra = {raw_names[k[len(key) + 1 :]]: like(objects.get(k[len(key) + 1 :]), v)
+                 for k, v in shared.items() if k.startswith(f"{key}/") and k[len(key) + 1 :] in raw_names}
         # Non-tensor entries (e.g. _extra_state), and tensors that state_dict() returned as
         # copies rather than the module's own (a tensor get_extra_state, as TransformerEngine's
         # fp8 scales; a state_dict hook that renames, splits or casts), go back through the
@@ -278,7 +281,8 @@ def _flatten_optimizer(
         for live in optimizer.param_groups:
             fqns = [fqn for p in live["params"] for fqn, _ in views[id(p)]]
             saved = _saved_group(key, fqns, shared)
-            hparams = dict(saved) if saved is not None else {k: v for k, v in live.items() if k != "params"}
+            current = {k: v for k, v in live.items() if k != "params"}
+            hparams = like(current, dict(saved)) if saved is not None else current
             new_groups.append({**hparams, "params": [index[id(p)] for p in live["params"]]})
         # Index the loaded state by parameter once: scanning every key per parameter is
         # quadratic, seconds at a few thousand parameters.
@@ -536,7 +540,8 @@ def into(old: Any, new: Any) -> Any:
     """``new`` (a loaded packed object) landed in ``old`` (what the caller passed) where they
     match: a tensor of the same shape and dtype is copied into in place, so a dict such as
     ``model.state_dict()`` updates the tensors it aliases (the model's parameters, as DCP's
-    in-place load does); dicts and lists keep their identity. Anything else is replaced."""
+    in-place load does); dicts and lists keep their identity. Anything else is replaced, with
+    ``old``'s types where they hold it exactly (``like``: a namedtuple, a numpy scalar)."""
     if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
         if (type(old) in (torch.Tensor, nn.Parameter) and old.shape == new.shape and old.dtype == new.dtype
                 and not old.is_inference()):
@@ -545,8 +550,8 @@ def into(old: Any, new: Any) -> Any:
                     old.copy_(new)
                 return old
             except RuntimeError:  # not writable in place (an expanded view): replaced instead
-                return new
-        return new
+                return like(old, new)
+        return like(old, new)
     if isinstance(old, MutableMapping) and isinstance(new, Mapping):
         merged = {k: into(old[k], v) if k in old else v for k, v in new.items()}
         old.clear()
@@ -555,7 +560,7 @@ def into(old: Any, new: Any) -> Any:
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         old[:] = [into(o, n) for o, n in zip(old, new)]
         return old
-    return new
+    return like(old, new)
 
 
 def _is_stateful(value: Any) -> bool:
@@ -584,12 +589,12 @@ def _flatten_stateful_tensors(key: str, value: Any, flat: FlatState) -> None:
 def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat: FlatState) -> None:
     flat.kinds[key] = KIND_EXTRA
     if _is_stateful(value):
-        flat.rank_objects[key] = value.state_dict()
+        template = flat.rank_objects[key] = value.state_dict()
         flat.per_rank_stateful.add(key)
 
         def apply(_shared: dict[str, Any], rank: dict[str, Any]) -> None:
-            if key in rank:
-                value.load_state_dict(rank[key])
+            if key in rank:  # with the types its own state_dict() has (an OrderedDict, ...)
+                value.load_state_dict(like(template, rank[key]))
     else:
         flat.rank_objects[key] = value
 
