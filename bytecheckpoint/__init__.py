@@ -17,7 +17,9 @@ from .errors import (
     DataLoaderError,
     DtypeMismatchError,
     InvalidArgumentError,
+    InvalidSettingError,
     MissingKeysError,
+    NewerFormatError,
     NotACheckpointError,
     ProcessGroupError,
     RankFailedError,
@@ -80,6 +82,7 @@ __all__ = [
     "CheckpointExistsError", "CorruptCheckpointError", "DtypeMismatchError", "MissingKeysError",
     "NotACheckpointError", "RankFailedError", "ShapeMismatchError", "StateMismatchError",
     "UnsafeCheckpointError", "CheckpointReplacedError", "ConcurrentSaveError", "InvalidArgumentError",
+    "InvalidSettingError", "NewerFormatError",
     "StorageError", "StorageIOError", "StagingError", "SnapshotChangedError", "UnsupportedStateError",
     "DataLoaderError", "ProcessGroupError",
 ]

@@ -27,6 +27,11 @@ class UnsafeCheckpointError(CorruptCheckpointError):
     """Metadata points outside the checkpoint directory or carries forbidden values."""
 
 
+class NewerFormatError(CorruptCheckpointError):
+    """The checkpoint is of a format newer than this release reads: it is not damaged, upgrade
+    bytecheckpoint to read it (a ``CorruptCheckpointError`` for callers that catch those)."""
+
+
 class StateMismatchError(CheckpointError):
     """The state to load into does not match the checkpoint (keys, shapes or dtypes)."""
 
@@ -123,6 +128,16 @@ class InvalidStorageURLError(PermanentStorageError):
 class InvalidArgumentError(CheckpointError, ValueError):
     """An argument of a public call is not valid (a ``step`` that is not a whole number >= 0,
     say); nothing was written."""
+
+
+class InvalidSettingError(InvalidArgumentError):
+    """An environment variable (``BCP_*``) holds a value it cannot take; the message names the
+    variable, the value and what it may be. Nothing was read or written."""
+
+
+class InvalidStorageSettingError(InvalidSettingError, StorageError):
+    """A storage setting (a ``BCP_STORAGE_*`` variable or the ``BCP_STORAGE_CONFIG`` file) is not
+    valid; a ``StorageError`` too, for callers that catch those."""
 
 
 class ConcurrentSaveError(CheckpointError):

@@ -183,6 +183,9 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
             "how long an overwrite=True save waits for active read leases on the old checkpoint"),
     Setting("BCP_DEBUG", "bytecheckpoint/cli/app.py", "",
             "1: bcp prints the full traceback of an unexpected error (as --debug does)"),
+    Setting("BCP_CLI_CONNECT_TIMEOUT_S", "bytecheckpoint/cli/preflight.py", "5",
+            "bcp: how long a command tries to reach the HDFS name node or S3 endpoint of its URLs "
+            "before it fails naming it (0: no check; training saves keep their own retries)"),
     Setting("BCP_LEASE_TTL_S", "bytecheckpoint/commit/leases.py", "21600",
             "how long a read lease protects a checkpoint from tiering and gc"),
 ))

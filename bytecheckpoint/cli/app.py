@@ -29,12 +29,14 @@ from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
+    InvalidSettingError,
     InvalidStorageURLError,
+    NewerFormatError,
     NotACheckpointError,
     StorageError,
 )
 from ..storage.redact import redact
-from . import convert, export, gc, import_, inspect, ls, services, verify
+from . import convert, export, gc, import_, inspect, ls, preflight, services, verify
 from .common import (  # noqa: F401 - the exit codes are part of this module's interface
     EPILOG,
     EXIT_BROKEN_PIPE,
@@ -43,6 +45,7 @@ from .common import (  # noqa: F401 - the exit codes are part of this module's i
     EXIT_FAILED,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
+    EXIT_NEWER_FORMAT,
     EXIT_NOT_A_CHECKPOINT,
     EXIT_OK,
     EXIT_STORAGE,
@@ -96,8 +99,12 @@ def _failure(exc: BaseException) -> tuple[str, int]:
         return f"error: {exc}", EXIT_USAGE
     if isinstance(exc, InvalidStorageURLError):
         return f"error: {exc}", EXIT_USAGE
+    if isinstance(exc, InvalidSettingError):
+        return f"configuration error: {exc}", EXIT_USAGE
     if isinstance(exc, NotACheckpointError):
         return f"not a checkpoint: {exc}", EXIT_NOT_A_CHECKPOINT
+    if isinstance(exc, NewerFormatError):  # not damaged: verify would not help
+        return f"newer format: {exc}", EXIT_NEWER_FORMAT
     if isinstance(exc, CorruptCheckpointError):
         return (f"corrupt checkpoint: {exc}\n(run 'bcp verify' on it to list every bad file)",
                 EXIT_CORRUPT)
@@ -147,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return _quiet_broken_pipe()
     try:
+        if args.command not in SERVICES:  # the services check their own settings
+            preflight.check_settings()
+            preflight.probe(args)
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
         return code

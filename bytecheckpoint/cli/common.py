@@ -20,6 +20,7 @@ EXIT_NOT_A_CHECKPOINT = 3  # no checkpoint there, or it never committed
 EXIT_CORRUPT = 4  # metadata or storage files unreadable, unsafe or inconsistent
 EXIT_EXISTS = 5  # the output exists (pass --overwrite)
 EXIT_STORAGE = 6  # the storage failed (after its retries) or refused
+EXIT_NEWER_FORMAT = 7  # a checkpoint of a newer format than this release reads: upgrade
 EXIT_INTERNAL = 70  # an unexpected error (a bug): one line, the traceback with --debug
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # the reader of the output went away (| head), as for SIGPIPE
@@ -27,11 +28,13 @@ EXIT_BROKEN_PIPE = 141  # the reader of the output went away (| head), as for SI
 EPILOG = """exit codes:
   0  success
   1  the check failed: verify found bad files, gc could not delete a checkpoint
-  2  bad command line or option value, or an unusable export/import/convert input
+  2  bad command line, option or BCP_* setting value, or an unusable export/import/convert
+     input
   3  not a checkpoint (nothing there, or a save that never committed)
   4  corrupt or unsafe checkpoint (unreadable metadata, missing or damaged file)
   5  the output already exists (pass --overwrite)
   6  storage error (failed after retries, or refused: permissions, full disk, bucket)
+  7  the checkpoint is of a newer format than this bcp reads (upgrade bytecheckpoint)
   70  unexpected internal error (a bug; --debug or BCP_DEBUG=1 prints the traceback)
   130 interrupted
   141 the output pipe was closed (e.g. bcp ls | head): stopped quietly

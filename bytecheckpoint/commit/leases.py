@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..errors import InvalidSettingError
 from ..storage import Storage, open_backend
 
 LEASE_TAG = ".lease-"
@@ -125,10 +126,18 @@ def unpin(url: str) -> bool:
 
 
 def _ttl() -> float:
+    """``BCP_LEASE_TTL_S``, checked: a 0, negative or NaN lease would expire at once and leave a
+    checkpoint being read unprotected from gc and tiering."""
+    raw = os.environ.get(TTL_ENV, "").strip()
     try:
-        return float(os.environ.get(TTL_ENV, DEFAULT_TTL_S))
+        value = float(raw) if raw else DEFAULT_TTL_S
     except ValueError:
-        return DEFAULT_TTL_S
+        value = 0.0
+    if not value > 0:
+        raise InvalidSettingError(f"{TTL_ENV} = {raw!r} is not a number of seconds > 0: give how long "
+                                  f"a read lease protects a checkpoint (default {DEFAULT_TTL_S:.0f}), or "
+                                  "unset it")
+    return value
 
 
 @contextlib.contextmanager

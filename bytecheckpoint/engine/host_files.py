@@ -33,7 +33,7 @@ import torch
 from telemetry import span
 
 from ..commit.protocol import data_file_name
-from ..errors import RankFailedError
+from ..errors import InvalidArgumentError, InvalidSettingError, RankFailedError
 from ..format.boxes import Box
 from ..format.metadata import ByteMeta, FileMeta, ObjectMeta
 from ..planning.save_metadata import RankWrite, box_columns
@@ -77,12 +77,13 @@ def resolve(files_per: str | None, host_size: int | None, rank: int, world: int)
     ``BCP_COMM_HOST_SIZE``, else ``LOCAL_WORLD_SIZE`` (the coordination tree's hosts)."""
     mode = _files_mode(files_per)
     if mode not in FILES_PER:
-        raise ValueError(f"files_per={mode!r}: expected one of {FILES_PER} (argument or {FILES_PER_ENV})")
+        error = InvalidArgumentError if files_per else InvalidSettingError  # both ValueErrors
+        raise error(f"files_per={mode!r}: expected one of {FILES_PER} (argument or {FILES_PER_ENV})")
     if mode == "rank":
         return None
     size = host_size_setting(host_size)
     if size is None or size < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             "files_per='host' needs the number of ranks per host: pass host_size=, or set "
             "BCP_COMM_HOST_SIZE or LOCAL_WORLD_SIZE (torchrun sets it)"
         )

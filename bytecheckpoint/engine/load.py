@@ -39,6 +39,7 @@ from ..errors import (
     CheckpointReplacedError,
     CorruptCheckpointError,
     DtypeMismatchError,
+    InvalidSettingError,
     MissingKeysError,
     ProcessGroupError,
     RankFailedError,
@@ -81,15 +82,21 @@ def read_threads_setting() -> int | None:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"BCP_LOAD_THREADS = {raw!r} is not a positive integer: unset it or give "
-                         "the reader threads per rank")
+        raise InvalidSettingError(f"BCP_LOAD_THREADS = {raw!r} is not a positive integer: unset it or "
+                                  "give the reader threads per rank")
     return value
 
 
 def early_setting() -> bool:
     """``BCP_LOAD_EARLY``: "0" turns off the work a load starts before its plan is agreed
     (reads of certain boxes, the file check in the background); the benchmark's baseline."""
-    return os.environ.get("BCP_LOAD_EARLY", "1").strip() != "0"
+    raw = os.environ.get("BCP_LOAD_EARLY", "").strip().lower()
+    if raw in ("", "1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise InvalidSettingError(f"BCP_LOAD_EARLY = {raw!r}: use 1 (the default: start reading before "
+                              "the plan is agreed) or 0 (read nothing before it), or unset it")
 
 
 def share_of_host(ranks_on_host: int, cores: int | None = None) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 
 from .._version import __version__
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, NewerFormatError, UnsafeCheckpointError
 from ..runtime.gc_pause import gc_paused
 from .boxes import Box, overlaps
 from .checks import DAMAGED, MAX_BYTES, check_boxes, check_files, fail, tensor_numel
@@ -276,7 +276,7 @@ def unpack_document(data: bytes | bytearray | memoryview, *, source: str = "meta
     view = memoryview(data).cast("B")
     head = bytes(view[: len(MAGIC)])
     if head[:-1] == MAGIC[:-1] and head != MAGIC:  # our magic with another last byte: a later envelope
-        raise CorruptCheckpointError(
+        raise NewerFormatError(
             f"{source}: the metadata's header {head!r} is of a format newer than this library "
             f"supports ({FORMAT_VERSION}); upgrade bytecheckpoint to read it")
     if head == MAGIC:
@@ -298,7 +298,7 @@ def unpack_document(data: bytes | bytearray | memoryview, *, source: str = "meta
     if type(version) is not int or version < 1:
         raise _fail(source, f"format version {version!r}")
     if version > FORMAT_VERSION:
-        raise CorruptCheckpointError(
+        raise NewerFormatError(
             f"{source}: format version {version} is newer than this library supports "
             f"({FORMAT_VERSION}); upgrade bytecheckpoint to read it"
         )

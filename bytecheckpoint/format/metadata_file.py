@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, InvalidSettingError
 from ..storage import Storage
 
 METADATA_MAX_ENV = "BCP_METADATA_MAX_BYTES"
@@ -21,8 +21,8 @@ def metadata_max_bytes() -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"{METADATA_MAX_ENV} = {raw!r} is not a positive number of bytes; unset it "
-                         f"or raise it (default {DEFAULT_METADATA_MAX_BYTES})")
+        raise InvalidSettingError(f"{METADATA_MAX_ENV} = {raw!r} is not a positive whole number of "
+                                  f"bytes; unset it or give one (default {DEFAULT_METADATA_MAX_BYTES})")
     return value
 
 

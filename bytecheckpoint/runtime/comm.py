@@ -35,7 +35,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CheckpointReplacedError, ProcessGroupError, RankFailedError
+from ..errors import (
+    CheckpointError,
+    CheckpointReplacedError,
+    InvalidSettingError,
+    ProcessGroupError,
+    RankFailedError,
+)
 
 T = TypeVar("T")
 _GLOO_GROUPS: dict[Any, Any] = {}
@@ -169,8 +175,18 @@ def _depth(parent: list[int | None], r: int) -> int:
 
 
 def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    return int(raw) if raw not in (None, "") else default
+    """A whole number >= 1 from the environment; unset or empty: ``default``. Anything else is
+    refused by name (a 0 or a typo silently meant the default before)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InvalidSettingError(f"{name} = {raw!r} is not a whole number >= 1: unset it or give one")
+    return value
 
 
 def host_size_setting(explicit: int | None = None) -> int | None:
@@ -188,6 +204,9 @@ def tree_settings(world: int, *, tree: bool | None = None, host_size: int | None
             tree = True
         elif flag in ("0", "false", "off", "no"):
             tree = False
+        elif flag:
+            raise InvalidSettingError(f"BCP_COMM_TREE = {flag!r}: use 1 (coordinate through a tree), "
+                                      "0 (flat), or unset it (a tree from BCP_COMM_TREE_MIN_WORLD ranks)")
         else:
             tree = world >= (_env_int("BCP_COMM_TREE_MIN_WORLD", TREE_MIN_WORLD) or TREE_MIN_WORLD)
     if not tree or world < 2:

@@ -11,6 +11,7 @@ them, so the pauses are not moved later but avoided. ``BCP_GC_PAUSE=0`` turns th
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -21,11 +22,28 @@ _DEPTH = 0  # nested or concurrent pauses: the last one out re-enables
 _WE_DISABLED = False
 
 
+def _enabled() -> bool:
+    """``BCP_GC_PAUSE``: 0 (or false, off, no) keeps the collector running. Any other unknown
+    value keeps the default with a warning, once: this runs inside metadata decoding, where an
+    error would read as a damaged checkpoint."""
+    raw = os.environ.get("BCP_GC_PAUSE", "").strip().lower()
+    if raw in ("0", "false", "off", "no"):
+        return False
+    if raw not in ("", "1", "true", "on", "yes") and raw not in _WARNED:
+        _WARNED.add(raw)
+        logging.getLogger(__name__).warning(
+            "BCP_GC_PAUSE = %r is neither 1 nor 0; pausing the garbage collector (the default)", raw)
+    return True
+
+
+_WARNED: set[str] = set()
+
+
 def hold() -> Callable[[], None]:
     """Pause the collector until the returned function is called (once; from any thread).
     An overlapped save holds it from its foreground part until its copy is done, so the
     collection of what the save allocated runs on the save's thread, not in ``save()``."""
-    if os.environ.get("BCP_GC_PAUSE", "1").strip() == "0":
+    if not _enabled():
         return lambda: None
     global _DEPTH, _WE_DISABLED
     with _LOCK:

@@ -23,6 +23,7 @@ the names of settings: credentials stay in :class:`S3Settings` fields that ``rep
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from ..errors import StorageError
+from ..errors import InvalidStorageSettingError
 
 CONFIG_ENV = "BCP_STORAGE_CONFIG"
 
@@ -115,12 +116,16 @@ def _env(name: str) -> str | None:
 
 
 def _number(source: str, raw: Any, kind: type) -> Any:
+    what = "a whole number" if kind is int else "a number"
     try:
         value = kind(raw)
     except (TypeError, ValueError):
-        raise StorageError(f"storage setting {source}={raw!r} is not a valid {kind.__name__}") from None
-    if value != value or value <= 0:  # nan passes "<= 0" and would disable every limit
-        raise StorageError(f"storage setting {source}={raw!r} must be positive")
+        raise InvalidStorageSettingError(f"storage setting {source}={raw!r} is not a valid {kind.__name__}: "
+                                         f"give {what} above 0, or unset it for the default") from None
+    # nan passes "<= 0" and would disable every limit; inf makes a backoff sleep overflow
+    if not 0 < value < math.inf:
+        raise InvalidStorageSettingError(f"storage setting {source}={raw!r} must be positive: give "
+                                         f"{what} above 0, or unset it for the default")
     return value
 
 
@@ -129,9 +134,12 @@ def _read_file(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise StorageError(f"{CONFIG_ENV} names {path!r}, which does not exist") from None
+        raise InvalidStorageSettingError(f"{CONFIG_ENV} names {path!r}, which does not exist") from None
+    except OSError as exc:  # a directory, no permission
+        raise InvalidStorageSettingError(f"{CONFIG_ENV} names {path!r}, which cannot be read "
+                                         f"({exc.strerror or exc}); name a TOML file") from None
     except tomllib.TOMLDecodeError as exc:
-        raise StorageError(f"storage config {path!r} is not valid TOML: {exc}") from None
+        raise InvalidStorageSettingError(f"storage config {path!r} is not valid TOML: {exc}") from None
 
 
 # The keys each section of the file may hold; [tiering] belongs to the tiering service.
@@ -151,14 +159,14 @@ def _check_sections(doc: dict[str, Any], path: str) -> None:
         if name == "tiering":
             continue
         if name not in _KEYS:
-            raise StorageError(f"storage config {path!r}: unknown section [{name}]; known: "
+            raise InvalidStorageSettingError(f"storage config {path!r}: unknown section [{name}]; known: "
                                f"{', '.join(_KEYS)}")
         if not isinstance(section, dict):
-            raise StorageError(f"storage config {path!r}: [{name}] must be a table of settings")
+            raise InvalidStorageSettingError(f"storage config {path!r}: [{name}] must be a table of settings")
         unknown = sorted(set(section) - set(_KEYS[name]))
         if unknown:
-            raise StorageError(f"storage config {path!r}: unknown setting(s) {unknown} in [{name}]; "
-                               f"known: {', '.join(_KEYS[name])}")
+            raise InvalidStorageSettingError(f"storage config {path!r}: unknown setting(s) {unknown} in "
+                                             f"[{name}]; known: {', '.join(_KEYS[name])}")
 
 
 def _flag(name: str, raw: Any, default: bool) -> bool:
@@ -171,7 +179,7 @@ def _flag(name: str, raw: Any, default: bool) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise StorageError(f"{name} = {raw!r} is not a valid flag: use 1 or 0")
+    raise InvalidStorageSettingError(f"{name} = {raw!r} is not a valid flag: use 1 or 0")
 
 
 def _direct_writes(raw: Any) -> str:
@@ -182,8 +190,8 @@ def _direct_writes(raw: Any) -> str:
     name = "BCP_STORAGE_DIRECT_WRITES / [transfer].direct_writes"
     try:
         return "1" if _flag(name, raw, True) else "0"
-    except StorageError:
-        raise StorageError(f"{name} = {raw!r} is not valid: use async, 1 or 0") from None
+    except InvalidStorageSettingError:
+        raise InvalidStorageSettingError(f"{name} = {raw!r} is not valid: use async, 1 or 0") from None
 
 
 def _count_or_off(name: str, raw: Any, default: int) -> int:
@@ -231,6 +239,7 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
         max_s=pick("retry", "max_s", "BCP_STORAGE_RETRY_MAX_S", float) or d_retry.max_s,
         deadline_s=pick("retry", "deadline_s", "BCP_STORAGE_RETRY_DEADLINE_S", float) or d_retry.deadline_s,
     )
+    s3_conf = sections["s3"]
     s3 = S3Settings(
         endpoint=env.get("BCP_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         or sections["s3"].get("endpoint"),
@@ -238,8 +247,10 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
         access_key=env.get("AWS_ACCESS_KEY_ID") or sections["s3"].get("access_key"),
         secret_key=env.get("AWS_SECRET_ACCESS_KEY") or sections["s3"].get("secret_key"),
         session_token=env.get("AWS_SESSION_TOKEN") or sections["s3"].get("session_token"),
-        connect_timeout_s=float(sections["s3"].get("connect_timeout_s", S3Settings.connect_timeout_s)),
-        request_timeout_s=float(sections["s3"].get("request_timeout_s", S3Settings.request_timeout_s)),
+        connect_timeout_s=_number("[s3].connect_timeout_s", s3_conf.get("connect_timeout_s",
+                                                                        S3Settings.connect_timeout_s), float),
+        request_timeout_s=_number("[s3].request_timeout_s", s3_conf.get("request_timeout_s",
+                                                                        S3Settings.request_timeout_s), float),
     )
     hdfs = HdfsSettings(url=env.get("BCP_HDFS_URL") or sections["hdfs"].get("url"))
     return StorageSettings(transfer, retry, s3, hdfs)

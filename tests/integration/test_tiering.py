@@ -178,9 +178,9 @@ def test_load_in_another_process_during_the_move_is_bit_exact(small_run, tmp_pat
     def start_loader_mid_move(name: str) -> None:
         if name != "verified":
             return
-        # A reader without a lease (TTL 0: an older client, or another tool) starts reading,
-        # slowed per read, and the remap and free happen while it is in the middle.
-        env = dict(os.environ, PYTHONPATH=REPO, BCP_LEASE_TTL_S="0",
+        # A reader whose lease has lapsed (a 1 ms TTL: an older client, or another tool) starts
+        # reading, slowed per read, and the remap and free happen while it is in the middle.
+        env = dict(os.environ, PYTHONPATH=REPO, BCP_LEASE_TTL_S="0.001",
                    BCP_STORAGE_FAULTS="latency_s=0.05;ops=read_into")
         loader.append(subprocess.Popen([sys.executable, "-m", "tests.support.tiering_worker", "load",
                                         f"{run}/step_1", out], cwd=REPO, env=env))
