@@ -111,6 +111,10 @@ class TokenLoader:
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise InvalidArgumentError(
                 f"TokenLoader checkpoint_every must be None or a whole number >= 1, not {checkpoint_every!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise InvalidArgumentError(f"TokenLoader seed must be a whole number >= 0, not {seed!r}")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not -(1 << 31) <= pad_id < 1 << 31:
+            raise InvalidArgumentError(f"TokenLoader pad_id must be an int32 token id, not {pad_id!r}")
         for name, limit in (("state_timeout_s", state_timeout_s), ("reader_timeout_s", reader_timeout_s)):
             if not limit > 0:
                 raise InvalidArgumentError(f"TokenLoader {name} must be > 0, not {limit!r}")
@@ -145,6 +149,9 @@ class TokenLoader:
         self._failed: str | None = None
         self._heard: list[float] = []  # per worker: monotonic time of its last reply
         self._stalled: set[int] = set()  # workers given up on: killed at close, not awaited
+        # batches read when close() stopped started readers: their positions are gone, and
+        # self._states still says where the loader started (None: nothing was lost)
+        self._closed_after: int | None = None
 
     # -- workers --------------------------------------------------------------------
     def _own(self, states: list[StreamState]) -> list[StreamState]:
@@ -181,29 +188,37 @@ class TokenLoader:
         """Route worker replies: windows to per-worker queues, states to their slots."""
         index = {id(c): i for i, c in enumerate(self._conns)}
         open_conns = list(self._conns)
+        # this run's lists: close() empties the loader's, maybe before the last EOF is seen here
+        heard, windows, prepared = self._heard, self._windows, self._prepared
         while open_conns:
-            for conn in wait(open_conns):
+            try:
+                ready = wait(open_conns)
+            except (OSError, ValueError):  # close() closed the pipes first
+                return
+            for conn in ready:
                 w = index[id(conn)]
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     open_conns.remove(conn)
                     msg = ("error", "the reader process exited")
-                self._heard[w] = time.monotonic()
+                heard[w] = time.monotonic()
                 if msg[0] == "error":
-                    self._windows[w].put(("error", msg[1]))
+                    windows[w].put(("error", msg[1]))
                     with self._state_ready:
                         self._failed = f"data loader worker {w} failed: {msg[1]}"
                         self._state_ready.notify_all()
                 elif msg[0] == "window":
-                    self._windows[w].put(("window", msg[1]))
+                    windows[w].put(("window", msg[1]))
                 else:
                     with self._state_ready:
-                        self._prepared[w].clear()  # only the latest request's state is wanted
-                        self._prepared[w][msg[1]] = (msg[2], msg[3])
+                        prepared[w].clear()  # only the latest request's state is wanted
+                        prepared[w][msg[1]] = (msg[2], msg[3])
                         self._state_ready.notify_all()
 
     def close(self) -> None:
+        if self._procs:
+            self._closed_after = self.batches
         for conn in self._conns:
             try:
                 conn.send(("stop",))
@@ -273,6 +288,7 @@ class TokenLoader:
             raise DataLoaderError(f"{self._failed}; the loader stopped: close() it and resume "
                                   "from the last checkpoint")
         if not self._procs:
+            self._check_not_closed("iterate it again", DataLoaderError)
             self._start()
         windows = []
         while len(windows) < self.batch_size:
@@ -306,8 +322,19 @@ class TokenLoader:
             self._expect[w] = self._sent[w] + served[w]
 
     # -- state ------------------------------------------------------------------------
+    def _check_not_closed(self, what: str, error: type[Exception]) -> None:
+        """A closed loader knows only where it started, not where its readers were: refuse
+        to go on from there (it would repeat the data already read)."""
+        if self._closed_after is None:
+            return
+        raise error(
+            f"this TokenLoader was closed after {self._closed_after} batches, which ended its "
+            f"readers and their positions, so it cannot {what}: save the loader before close(), "
+            "or make a new loader and load it from the last checkpoint")
+
     def _collect(self) -> list[StreamState]:
         if not self._procs:
+            self._check_not_closed("save its state", StagingError)
             return list(self._states)
         t0 = time.perf_counter()
         tag = self.batches
@@ -428,13 +455,16 @@ class TokenLoader:
             states, rotation, batches = validate_shard(entries[own], self.dp_rank, saved, self._opened)
             self.layout = saved
             self._states = states
-            self._rotation = rotation
+            # Each reader is asked again: one that had run dry answers "no more" at once (the
+            # same batches), unless its source grew by appending samples, which it then reads.
+            self._rotation = {"next": rotation["next"], "finished": [False] * saved.workers}
             self.batches = batches
+            self._closed_after = None  # a position again, replacing the one close() lost
             return
         shards = {k.rsplit("/", 1)[1]: v for k, v in entries.items()
                   if k.startswith(f"shard/{saved.dp_size}/")}
         ranks = sorted(int(r) for r in shards if r.isdigit())
-        if ranks != list(range(saved.dp_size)):
+        if len(ranks) != saved.dp_size or ranks != list(range(saved.dp_size)):  # dp_size may be huge
             raise StateMismatchError(
                 f"resharding the data loader needs all {saved.dp_size} saved DP shards; the "
                 f"checkpoint has {ranks}"
@@ -446,3 +476,4 @@ class TokenLoader:
         self._states = self._own(new_states)
         self._rotation = {"next": 0, "finished": [False] * self.layout.workers}
         self.batches = 0
+        self._closed_after = None

@@ -133,7 +133,10 @@ def initial_states(layout: Layout) -> list[StreamState]:
 class Stream:
     """A live reader stream: reads samples, buffers tokens, cuts windows."""
 
-    def __init__(self, layout: Layout, state: StreamState, sources: Sequence[TokenSource]) -> None:
+    def __init__(self, layout: Layout, state: StreamState, sources: Sequence[TokenSource],
+                 ahead: int = 63) -> None:
+        """``ahead``: the most windows cut and not yet handed out that a snapshot must rewind
+        (the worker's ``prefetch``)."""
         self.layout = layout
         self.sources = sources
         self.stream = state.stream
@@ -154,7 +157,7 @@ class Stream:
         # can describe the stream as of any window not yet handed out: the same state
         # however far the worker has read ahead.
         self.marks: collections.deque[tuple[list[int], dict[str, Any], list[bool], int]] = (
-            collections.deque(maxlen=64))
+            collections.deque(maxlen=max(64, ahead + 1)))
         self._mark()
 
     def _mark(self) -> None:
@@ -332,8 +335,10 @@ def validate_layout(layout: Layout, sizes: Sequence[int]) -> None:
     for name in ("window", "workers", "dp_size"):
         if getattr(layout, name) < 1:
             raise _corrupt(f"replicated.{name}", f"is {getattr(layout, name)}, not >= 1")
-    if layout.buffer_tokens < 0 or layout.generation < 0:
-        raise _corrupt("replicated.buffer_tokens/generation", "is negative")
+    if layout.buffer_tokens < 0 or layout.generation < 0 or layout.seed < 0:
+        raise _corrupt("replicated.buffer_tokens/generation/seed", "is negative")
+    if not -(1 << 31) <= layout.pad_id < 1 << 31:  # windows are int32
+        raise _corrupt("replicated.pad_id", f"is {layout.pad_id}, not an int32 token id")
     if len(layout.frontiers) != len(sizes) or len(layout.skips) != len(sizes):
         raise _corrupt("replicated.frontiers/skips", f"do not hold one entry per source ({len(sizes)})")
     for s, (frontier, skips, size) in enumerate(zip(layout.frontiers, layout.skips, sizes)):
@@ -357,7 +362,7 @@ def validate_shard(shard: Any, rank: int, layout: Layout, sources: Sequence[Toke
         raise _corrupt(f"shard {rank}", f"is malformed ({exc!r})") from None
     w = layout.workers
     ids = [s.stream for s in streams]
-    if ids != list(range(rank * w, (rank + 1) * w)):
+    if len(ids) != w or ids != list(range(rank * w, (rank + 1) * w)):  # w may be huge
         raise _corrupt(f"shard {rank} stream ids", f"are {ids}, not {rank * w}..{(rank + 1) * w - 1}")
     if not 0 <= rotation["next"] < w:
         raise _corrupt(f"shard {rank} rotation.next", f"is {rotation['next']}, outside 0..{w - 1}")
@@ -378,7 +383,7 @@ def validate_shard(shard: Any, rank: int, layout: Layout, sources: Sequence[Toke
             raise _corrupt(f"{where} windows", f"is {st.windows}")
         try:
             np.random.default_rng().bit_generator.state = st.rng
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise _corrupt(f"{where} rng", f"is not a generator state ({exc!r})") from None
         p = st.pieces
         if (st.tokens.ndim != 1 or p.ids.ndim != 1 or not p.ids.size == p.starts.size == p.lengths.size):

@@ -53,7 +53,8 @@ def run_worker(conn: Any, layout: dict[str, Any], state: dict[str, Any], prefetc
 def _serve(conn: Any, layout: dict[str, Any], state: dict[str, Any], prefetch: int) -> None:
     parent = os.getppid()
     lay = Layout.from_dict(layout)
-    stream = Stream(lay, StreamState.from_dict(state), [TokenSource(p) for p in lay.sources])
+    stream = Stream(lay, StreamState.from_dict(state), [TokenSource(p) for p in lay.sources],
+                    ahead=prefetch)
     ready: collections.deque[Window | None] = collections.deque()
     pending: list[Any] = []  # [windows still to serve, tag] of a prepared-state request
     answered = 0  # "next" requests answered

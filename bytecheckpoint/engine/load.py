@@ -142,6 +142,15 @@ def _listing(keys: list[str]) -> str:
 def _check_splittable(meta: CheckpointMetadata, flat: FlatState, world_size: int) -> None:
     """A stateful object saved per rank (a data loader's position, say) cannot be handed to
     another number of ranks unless every rank saved the same state (e.g. an LR scheduler)."""
+    for key in sorted(flat.rank_sharded):  # the same position means other samples there
+        if any(o.key == key and o.rank is not None for o in meta.objects):
+            raise StateMismatchError(
+                f"state[{key!r}] is a data loader over a DistributedSampler, saved by "
+                f"{meta.world_size} ranks: its position counts batches of each rank's part of the "
+                f"data, which {world_size} ranks split differently, so it would read samples again "
+                f"or skip some. Leave {key!r} out of the state to start its epoch over, or use a "
+                "loader that reshards (bytecheckpoint.data.TokenLoader)"
+            )
     for key in sorted(flat.per_rank_stateful):
         copies = {(o.bytes.byte_length, tuple(o.bytes.checksums)) for o in meta.objects
                   if o.key == key and o.rank is not None}

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import StateMismatchError
+from ..errors import CorruptCheckpointError, StateMismatchError
 
 
 def _rank_world() -> tuple[int, int]:
@@ -52,6 +52,18 @@ def restore_rng(state: dict[str, Any]) -> list[int]:
                          n["cached"]))
     torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
     return _restore_cuda_rng(state.get("cuda", []))
+
+
+def _restore_saved(state: Any, rank: int) -> list[int]:
+    """``restore_rng`` of saved rank ``rank``'s entry: decoded from a checkpoint, so a value
+    of the wrong kind or size is a damaged checkpoint, named, not the generators' own error."""
+    try:
+        return restore_rng(state)
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError,
+            RuntimeError) as exc:
+        raise CorruptCheckpointError(
+            f"the checkpoint's RNG state of rank {rank} is damaged ({exc!r}): load an intact "
+            "copy of the checkpoint, or load without the RNG entry") from None
 
 
 def _restore_cuda_rng(states: list[Any]) -> list[int]:
@@ -98,12 +110,12 @@ class RNGState:
         rank, _ = _rank_world()
         own = entries.get(f"rank/{rank}")
         if own is not None:
-            self.skipped_cuda_devices = restore_rng(own)
+            self.skipped_cuda_devices = _restore_saved(own, rank)
             return
         base = entries.get("rank/0")
         if base is None:
             raise StateMismatchError("the checkpoint holds no RNG state")
-        self.skipped_cuda_devices = restore_rng(base)
+        self.skipped_cuda_devices = _restore_saved(base, 0)
         seed = int(np.frombuffer(np.asarray(base["torch"], dtype=np.uint8).tobytes()[:8], np.uint64)[0])
         seed = (seed + 1_000_003 * rank) % (1 << 63)
         random.seed(seed)

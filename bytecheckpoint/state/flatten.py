@@ -81,6 +81,8 @@ class FlatState:
     appliers: list[Callable[[dict[str, Any], dict[str, Any]], None]] = field(default_factory=list)
     # Per-rank objects that came from stateful objects (state_dict/load_state_dict).
     per_rank_stateful: set[str] = field(default_factory=set)
+    # Of those, data loaders whose sampler gives each rank its own part of the data.
+    rank_sharded: set[str] = field(default_factory=set)
     # Names of the module adapters used (e.g. "fsdp"), for framework detection.
     adapters: set[str] = field(default_factory=set)
 
@@ -586,11 +588,26 @@ def _flatten_stateful_tensors(key: str, value: Any, flat: FlatState) -> None:
     flat.appliers.append(apply)
 
 
+def _sharded_by_rank(value: Any) -> bool:
+    """A data loader (torchdata's ``StatefulDataLoader``) over a ``DistributedSampler``: its
+    position counts batches of this rank's part of the data, which another number of ranks
+    splits differently, so even a position every rank shares does not carry over."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    if not isinstance(value, DataLoader):
+        return False
+    batches = getattr(value, "batch_sampler", None)
+    samplers = (getattr(value, "sampler", None), getattr(batches, "sampler", None))
+    return any(isinstance(s, DistributedSampler) for s in samplers)
+
+
 def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat: FlatState) -> None:
     flat.kinds[key] = KIND_EXTRA
     if _is_stateful(value):
         template = flat.rank_objects[key] = value.state_dict()
         flat.per_rank_stateful.add(key)
+        if _sharded_by_rank(value):
+            flat.rank_sharded.add(key)
 
         def apply(_shared: dict[str, Any], rank: dict[str, Any]) -> None:
             if key in rank:  # with the types its own state_dict() has (an OrderedDict, ...)
