@@ -162,9 +162,12 @@ def rank_breakdown(phases: pd.DataFrame, rank: int) -> pd.DataFrame:
 
 
 def checkpoint_label(row: pd.Series) -> str:
-    """How a checkpoint is named in selectors: op, step, path, run."""
+    """How a checkpoint is named in selectors: op, step, path, run; a path's second (third, ...)
+    call at one step, an overwrite, says which call it is."""
     step = "" if pd.isna(row["step"]) else f" step {int(row['step'])}"
-    return f"{row['op']}{step} · {row['checkpoint']} · {row['job']}/{row['run']}"
+    call = row.get("call", 1)
+    again = f" (call {int(call)})" if not pd.isna(call) and int(call) > 1 else ""
+    return f"{row['op']}{step}{again} · {row['checkpoint']} · {row['job']}/{row['run']}"
 
 
 def with_tiers(ckpts: pd.DataFrame, moves: pd.DataFrame) -> pd.DataFrame:

@@ -4,6 +4,11 @@ A checkpoint is identified by (job, run, checkpoint, op), the columns the events
 ordered by, so the per-checkpoint queries read only that checkpoint's rows. Events are read
 with FINAL so redelivered copies count once (see ``telemetry.store``).
 
+One path can be saved (or loaded) many times: a "latest" checkpoint saved every step, an
+overwrite. Each call is one row of ``checkpoints``, told apart by its ``step`` and ``call``
+(1 for the first call of that step to that path, 2 for the next, ...): every rank's span is
+given to that rank's newest save / load call that started before it (``_CALLS``).
+
 Tiering (read by ``tiering_moves``): the cooling service's spans in the same events table.
 
 - ``tiering.move``: one finished span per checkpoint moved hot -> cold, with ``checkpoint``,
@@ -38,6 +43,34 @@ _SCOPE = """job = {job:String} AND run = {run:String} AND checkpoint = {checkpoi
 _FILTERS = """({job:String} = '' OR job = {job:String}) AND ({run:String} = '' OR run = {run:String})"""
 
 
+# Every event of the selected checkpoint paths with the call it belongs to: call_step and call.
+# A span is that rank's newest "save" / "load" call that started at or before it (an async
+# save's background spans come after its call ends), if the span carries that call's step or
+# none (a load's reads before its metadata named the step); else (a rank that never ended its
+# call, so it has no call span) the span's own step, call 1.
+_CALLS = """
+SELECT e.*, if(matched, c.step, e.step) AS call_step, if(matched, c.call, 1) AS call
+FROM (
+    SELECT *, ifNull(rank, -1) AS rank_key FROM {events} FINAL WHERE {where}
+) AS e
+ASOF LEFT JOIN (
+    SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts AS call_ts, step,
+           toUInt32(row_number() OVER (PARTITION BY job, run, checkpoint, checkpoint_op, rank_key, step
+                                       ORDER BY ts, event_id)) AS call
+    FROM {events} FINAL WHERE name = checkpoint_op AND {where}
+) AS c
+ON e.job = c.job AND e.run = c.run AND e.checkpoint = c.checkpoint AND e.checkpoint_op = c.checkpoint_op
+   AND e.rank_key = c.rank_key AND e.ts >= c.call_ts
+"""
+_MATCHED = "c.call > 0 AND (e.step IS NULL OR e.step = c.step)"
+
+
+def _calls(where: str) -> str:
+    """``_CALLS`` over the events that ``where`` selects (it may use query parameters)."""
+    body = _CALLS.format(events=EVENTS, where=where).replace("if(matched", f"if({_MATCHED}")
+    return f"({body})"
+
+
 def frame(client: Any, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:
     """Run ``sql`` with ``parameters``; always a DataFrame, with the query's columns when empty."""
     result = client.query(sql, parameters=parameters, settings=_SETTINGS)
@@ -64,41 +97,53 @@ def jobs(client: Any) -> pd.DataFrame:
 
 
 def checkpoints(client: Any, *, job: str = ALL, run: str = ALL, limit: int = 500) -> pd.DataFrame:
-    """One row per (job, run, checkpoint, op), newest first: step, ranks, blocking seconds (the
-    slowest rank's whole save/load call), end-to-end seconds (first start to last end of any
-    span), bytes moved by the I/O phases, committed, errors."""
+    """One row per save or load call (job, run, checkpoint, op, step, call; see the module docs),
+    newest first: ranks, blocking seconds (the slowest rank's whole save/load call),
+    end-to-end seconds (first start to last end of any span), bytes moved by the I/O phases,
+    committed, errors."""
+    where = f"checkpoint != '' AND checkpoint_op IN ('save', 'load') AND {_FILTERS}"
     sql = f"""
-    SELECT job, run, checkpoint, checkpoint_op AS op, max(step) AS step, uniqExact(rank) AS ranks,
+    SELECT job, run, checkpoint, checkpoint_op AS op, call_step AS step, call, uniqExact(rank) AS ranks,
            min(toFloat64(ts)) AS start_ts, max(toFloat64(ts) + duration_s) AS end_ts,
            maxIf(duration_s, name = checkpoint_op) AS blocking_s,
            max(toFloat64(ts) + duration_s) - min(toFloat64(ts)) AS e2e_s,
            sumIf(ifNull(bytes, 0), has({{io:Array(String)}}, name)) AS bytes,
            countIf(name = 'save.commit' AND outcome = 'ok') > 0 AS committed,
            countIf(outcome = 'error') AS errors
-    FROM {EVENTS} FINAL
-    WHERE checkpoint != '' AND checkpoint_op IN ('save', 'load') AND {_FILTERS}
-    GROUP BY job, run, checkpoint, checkpoint_op
+    FROM {_calls(where)}
+    GROUP BY job, run, checkpoint, checkpoint_op, call_step, call
     ORDER BY start_ts DESC
     LIMIT {{limit:UInt32}}
     """
     return frame(client, sql, {"job": job, "run": run, "io": list(THROUGHPUT_PHASES), "limit": limit})
 
 
-def rank_phases(client: Any, *, job: str, run: str, checkpoint: str, op: str) -> pd.DataFrame:
-    """Per (rank, phase) of one checkpoint, storage ops left out: spans, busy seconds (sum),
+# One call of a checkpoint (``checkpoints``' step and call), or all of them when call is 0.
+_CALL = """({call:UInt32} = 0 OR (call = {call:UInt32}
+            AND ifNull(call_step, -1) = ifNull({step:Nullable(Int64)}, -1)))"""
+
+
+def rank_phases(client: Any, *, job: str, run: str, checkpoint: str, op: str, step: int | None = None,
+                call: int = 0) -> pd.DataFrame:
+    """Per (rank, phase) of one checkpoint call (``step`` and ``call`` as ``checkpoints`` gives
+    them; call 0: every call to that path), storage ops left out: spans, busy seconds (sum),
     start and end (epoch s), bytes, errors, and the rank's coordinates and host."""
     sql = f"""
     SELECT rank, name AS phase, count() AS spans, sum(duration_s) AS duration_s,
            min(toFloat64(ts)) AS start_ts, max(toFloat64(ts) + duration_s) AS end_ts,
            sum(ifNull(bytes, 0)) AS bytes, countIf(outcome = 'error') AS errors,
-           any(dp) AS dp, any(tp) AS tp, any(pp) AS pp, any(host) AS host, max(step) AS step
-    FROM {EVENTS} FINAL
-    WHERE {_SCOPE} AND rank IS NOT NULL AND NOT startsWith(name, {{io:String}})
+           any(dp) AS dp, any(tp) AS tp, any(pp) AS pp, any(host) AS host, max(call_step) AS step
+    FROM {_calls(_SCOPE)}
+    WHERE rank IS NOT NULL AND NOT startsWith(name, {{io:String}}) AND {_CALL}
     GROUP BY rank, name
     ORDER BY rank, name
     """
     return frame(client, sql, {"job": job, "run": run, "checkpoint": checkpoint, "op": op,
-                               "io": IO_SPAN_PREFIX})
+                               "io": IO_SPAN_PREFIX, "step": _step(step), "call": int(call)})
+
+
+def _step(step: Any) -> int | None:
+    return None if step is None or pd.isna(step) else int(step)
 
 
 def step_phases(client: Any, *, job: str = ALL, run: str = ALL, op: str = "save") -> pd.DataFrame:
@@ -175,13 +220,16 @@ def alerts(client: Any, *, job: str = ALL, run: str = ALL, limit: int = 500) -> 
     return frame(client, sql, {"job": job, "run": run, "limit": limit})
 
 
-def checkpoint_alerts(client: Any, *, job: str, run: str, checkpoint: str, op: str) -> pd.DataFrame:
-    """Alerts raised on one checkpoint (the heatmap marks their ranks)."""
+def checkpoint_alerts(client: Any, *, job: str, run: str, checkpoint: str, op: str, step: int | None = None,
+                      call: int = 0) -> pd.DataFrame:
+    """Alerts raised on one checkpoint (the heatmap marks their ranks); with a call (see
+    ``checkpoints``), only those of its step."""
     sql = f"""
     SELECT rule, rank, phase, message FROM {ALERTS} FINAL
-    WHERE {_SCOPE}
+    WHERE {_SCOPE} AND ({{call:UInt32}} = 0 OR ifNull(step, -1) = ifNull({{step:Nullable(Int64)}}, -1))
     """
-    return frame(client, sql, {"job": job, "run": run, "checkpoint": checkpoint, "op": op})
+    return frame(client, sql, {"job": job, "run": run, "checkpoint": checkpoint, "op": op,
+                               "step": _step(step), "call": int(call)})
 
 
 def iteration_time(client: Any, *, job: str = ALL, run: str = ALL) -> float | None:
@@ -209,17 +257,19 @@ def tiering_moves(client: Any, *, job: str = ALL, run: str = ALL) -> pd.DataFram
     return frame(client, sql, {"job": job, "run": run, "prefix": TIERING_PREFIX})
 
 
-def slot_waits(client: Any, *, job: str, run: str, checkpoint: str, op: str) -> pd.DataFrame:
-    """Per rank of one checkpoint: files committed (``storage.commit``), how many of them
-    waited for a host write slot, and the seconds they waited (``slot_wait_s``; see
-    ``bytecheckpoint.storage.write_slots``)."""
+def slot_waits(client: Any, *, job: str, run: str, checkpoint: str, op: str, step: int | None = None,
+               call: int = 0) -> pd.DataFrame:
+    """Per rank of one checkpoint call (as ``rank_phases``): files committed
+    (``storage.commit``), how many of them waited for a host write slot, and the seconds they
+    waited (``slot_wait_s``; see ``bytecheckpoint.storage.write_slots``)."""
     sql = f"""
     SELECT rank, count() AS commits,
            countIf(JSONExtractFloat(attrs, 'slot_wait_s') > 0) AS waited,
            sum(JSONExtractFloat(attrs, 'slot_wait_s')) AS wait_s
-    FROM {EVENTS} FINAL
-    WHERE {_SCOPE} AND rank IS NOT NULL AND name = 'storage.commit'
+    FROM {_calls(_SCOPE)}
+    WHERE rank IS NOT NULL AND name = 'storage.commit' AND {_CALL}
     GROUP BY rank
     ORDER BY rank
     """
-    return frame(client, sql, {"job": job, "run": run, "checkpoint": checkpoint, "op": op})
+    return frame(client, sql, {"job": job, "run": run, "checkpoint": checkpoint, "op": op,
+                               "step": _step(step), "call": int(call)})

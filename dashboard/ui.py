@@ -108,21 +108,40 @@ def pick_checkpoint(ckpts: pd.DataFrame, *, ops: tuple[str, ...] = ("save", "loa
     index = 0
     want = st.query_params.get("checkpoint")
     if want:
-        match = rows.index[(rows["checkpoint"] == want)
-                           & (rows["op"] == st.query_params.get("op", rows["op"].iloc[0]))]
-        if len(match):
-            index = int(match[0])
+        match = (rows["checkpoint"] == want) & (rows["op"] == st.query_params.get("op", rows["op"].iloc[0]))
+        # A path saved more than once: the call the URL names (its step and call number).
+        for key in ("step", "call"):
+            if key in st.query_params:
+                match &= rows[key].map(lambda v: "" if pd.isna(v) else str(int(v))) == st.query_params[key]
+        if match.any():
+            index = int(rows.index[match][0])
     label = st.selectbox("Checkpoint", labels, index=index, key="checkpoint")
     row = rows.iloc[labels.index(label)]
-    st.query_params.update({"job": row["job"], "run": row["run"], "checkpoint": row["checkpoint"],
-                            "op": row["op"]})
+    for key in ("step", "call"):
+        st.query_params.pop(key, None)
+    st.query_params.update(url_params(row))
     return row
 
 
-def checkpoint_params(row: pd.Series) -> dict[str, str]:
-    return {"job": row["job"], "run": row["run"], "checkpoint": row["checkpoint"], "op": row["op"]}
+def checkpoint_params(row: pd.Series) -> dict[str, Any]:
+    """The query parameters of one save / load call (see ``queries.checkpoints``)."""
+    step = row.get("step")
+    return {"job": row["job"], "run": row["run"], "checkpoint": row["checkpoint"], "op": row["op"],
+            "step": None if step is None or pd.isna(step) else int(step), "call": int(row.get("call", 0))}
 
 
 def heatmap_link(row: pd.Series) -> str:
     """A relative link to the topology page for the checkpoint in ``row`` (job, run, checkpoint, op)."""
-    return "/topology?" + urlencode(checkpoint_params(row))
+    return "/topology?" + urlencode(url_params(row))
+
+
+def url_params(row: pd.Series) -> dict[str, str]:
+    """``checkpoint_params`` for a URL: the step when known, the call when one is picked (an
+    alert names a step, not a call: its link opens that step's newest call)."""
+    params = checkpoint_params(row)
+    step, call = params.pop("step"), params.pop("call")
+    if step is not None:
+        params["step"] = str(step)
+    if call:
+        params["call"] = str(call)
+    return params

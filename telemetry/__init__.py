@@ -8,13 +8,15 @@ configured sink (JSON-lines spool files by default).
 from telemetry.config import configure
 from telemetry.context import context, get_context, set_context
 from telemetry.emitter import flush, shutdown, stats
-from telemetry.spans import span, timed
+from telemetry.spans import PENDING_STEP, scope_step, span, timed
 
 __all__ = [
+    "PENDING_STEP",
     "configure",
     "context",
     "flush",
     "get_context",
+    "scope_step",
     "set_context",
     "shutdown",
     "span",

@@ -54,6 +54,32 @@ _current: ContextVar[Span | None] = ContextVar("bcp_telemetry_span", default=Non
 # behalf of a save or load is attributed to it without the caller copying contextvars.
 _open_scopes: list[Span] = []
 
+
+class _PendingStep:
+    def __repr__(self) -> str:
+        return "PENDING_STEP"
+
+
+# ``step=PENDING_STEP`` on a scope span: the step is not known yet (a load learns it from the
+# checkpoint's metadata, see ``scope_step``); until then the scope's events carry no step,
+# not the step training last set, which is another checkpoint's.
+PENDING_STEP: Any = _PendingStep()
+
+
+class _Scope:
+    """The save / load a span works for: shared by reference with the spans inside it, so a
+    step named after they started (``scope_step``) reaches every event built from then on."""
+
+    __slots__ = ("checkpoint", "op", "pinned", "step")
+
+    def __init__(self, checkpoint: str | None, op: str | None, step: Any) -> None:
+        self.checkpoint = checkpoint
+        self.op = op
+        # A pinned step overrides the context's; an unpinned scope leaves the context's step.
+        self.pinned = step is not None
+        self.step = None if step is PENDING_STEP else step
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -145,8 +171,8 @@ class Span:
         self.outcome: str | None = None
         self.error: str | None = None
         self._parent: Span | None = None
-        # (checkpoint, checkpoint_op, step) of the save / load this span works for.
-        self._scope: tuple[str | None, str | None, Any] | None = None
+        # The save / load this span works for.
+        self._scope: _Scope | None = None
         self._opens_scope = False
         self._token: Token[Span | None] | None = None
         self._t0 = 0.0
@@ -209,8 +235,8 @@ class Span:
         # after its "save" span has ended, on threads that cannot see that span.
         self._opens_scope = self.name in _SCOPE_NAMES or "checkpoint_op" in fields
         if self._opens_scope:
-            self._scope = (_as_str(fields.get("checkpoint", fields.get("path"))),
-                           _as_str(fields.get("checkpoint_op", self.name)), fields.get("step"))
+            self._scope = _Scope(_as_str(fields.get("checkpoint", fields.get("path"))),
+                                 _as_str(fields.get("checkpoint_op", self.name)), fields.get("step"))
             # list.append is atomic under the GIL; readers only look at the last item.
             _open_scopes.append(self)
             return
@@ -222,7 +248,7 @@ class Span:
             except IndexError:
                 inherited = None
         if "checkpoint" in fields:
-            inherited = (_as_str(fields["checkpoint"]), inherited[1] if inherited else None, None)
+            inherited = _Scope(_as_str(fields["checkpoint"]), inherited.op if inherited else None, None)
         self._scope = inherited
 
     def _restore_parent(self) -> None:
@@ -253,12 +279,15 @@ class Span:
         if scope is None:
             event["checkpoint"] = event["checkpoint_op"] = None
         else:
-            event["checkpoint"], event["checkpoint_op"], step = scope
-            if step is not None:  # the save's step, not the one training has moved on to
+            event["checkpoint"], event["checkpoint_op"] = scope.checkpoint, scope.op
+            if scope.pinned:  # the checkpoint's step, not the one training has moved on to
+                step = scope.step
                 event["step"] = step if type(step) in _PLAIN_TYPES else _jsonable(step)
         # Extra set_context() fields travel with the event but outside the fixed columns.
         attrs: dict[str, Any] = dict(extras) if extras else {}
         for key, value in self.fields.items():
+            if value is PENDING_STEP:
+                continue
             if type(value) not in _PLAIN_TYPES:
                 value = _jsonable(value)
             if key in _TOP_LEVEL:
@@ -274,6 +303,16 @@ class Span:
 def _as_str(value: Any) -> str | None:
     # Called on entering a span: a broken __str__ must not reach the caller.
     return None if value is None else _safe_str(value)
+
+
+def scope_step(step: int | None) -> None:
+    """Name the step of the checkpoint that the current span's save or load works on: every
+    event of that scope built from now on (the scope span's own included) carries it."""
+    current = _current.get()
+    # Only this thread's own span: the newest open scope may be another thread's save.
+    scope = current._scope if current is not None else None
+    if scope is not None:
+        scope.step, scope.pinned = step, True
 
 
 def span(name: str, /, **fields: Any) -> Span:

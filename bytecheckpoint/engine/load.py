@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from telemetry import span
+from telemetry import PENDING_STEP, scope_step, span
 
 from ..commit.integrity import check_file_sizes, metadata_identity, read_metadata_identified, resolve
 from ..commit.leases import lease_for_load
@@ -206,7 +206,8 @@ def load(
     error: BaseException | None = None
     result: LoadResult | None = None
     # The read lease tells a tiering service not to move this checkpoint while it is read.
-    with span("load", path=url) as total, lease_for_load(url), gc_paused():
+    # The step is the checkpoint's, known once its metadata is read (not training's last step).
+    with span("load", path=url, step=PENDING_STEP) as total, lease_for_load(url), gc_paused():
         try:
             result = _load_local(url, state, framework, strict, comm, verify, threads, phases,
                                  fqn_map, process_group)
@@ -419,6 +420,7 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
                 verify: bool, fqn_map: Callable[[str], str] | None) -> _LocalPlan:
     with span("load.metadata"):
         storage, path, meta, identity = _open_checkpoint(url)
+        scope_step(meta.step)
     verify = verify and getattr(storage, "checksummed", True)
     object_keys = {o.key for o in meta.objects}
     saved_keys = {tm.key for tm in meta.tensors} | object_keys

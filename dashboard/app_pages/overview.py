@@ -18,7 +18,7 @@ alerts = ui.query("alerts", job=job, run=run)
 saves, loads = ckpts[ckpts["op"] == "save"], ckpts[ckpts["op"] == "load"]
 failed = int((saves["errors"] > 0).sum() + (loads["errors"] > 0).sum())
 cols = st.columns(5)
-cols[0].metric("Saves", len(saves), help="distinct checkpoints saved")
+cols[0].metric("Saves", len(saves), help="save calls (a path saved again counts again)")
 cols[1].metric("Loads", len(loads))
 cols[2].metric("Median save (blocking)", f"{saves['blocking_s'].median():.3f} s" if len(saves) else "—")
 cols[3].metric("Median load", f"{loads['blocking_s'].median():.3f} s" if len(loads) else "—")
@@ -40,10 +40,11 @@ table = ckpts.assign(
     status=[("committed" if c else "not committed") if op == "save" else ("ok" if not e else "errors")
             for c, op, e in zip(ckpts["committed"], ckpts["op"], ckpts["errors"])],
     heatmap=[ui.heatmap_link(r) for _, r in ckpts.iterrows()],
+    started=frames.utc_times(ckpts["start_ts"]),
 )
 st.dataframe(
-    table[["op", "step", "checkpoint", "job", "run", "ranks", "size", "blocking_s", "e2e_s", "status",
-           "tier", "errors", "heatmap"]],
+    table[["op", "step", "checkpoint", "started", "job", "run", "ranks", "size", "blocking_s", "e2e_s",
+           "status", "tier", "errors", "heatmap"]],
     hide_index=True, width="stretch",
     column_config={
         "blocking_s": st.column_config.NumberColumn("blocking s", format="%.3f",

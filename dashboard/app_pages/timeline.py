@@ -17,7 +17,8 @@ if phases.empty:
     ui.empty_state("This checkpoint has no per-rank spans.")
 
 # Widgets keyed by checkpoint: another checkpoint has other ranks, and starts from its own defaults.
-scope = f"{ckpt['op']}:{ckpt['job']}/{ckpt['run']}:{ckpt['checkpoint']}"
+params = ui.checkpoint_params(ckpt)
+scope = f"{ckpt['op']}:{ckpt['job']}/{ckpt['run']}:{ckpt['checkpoint']}:{params['step']}:{params['call']}"
 all_ranks = sorted(int(r) for r in phases["rank"].unique())
 default = all_ranks if len(all_ranks) <= MAX_DEFAULT_RANKS else frames.slowest_ranks(phases, 32)
 chosen = st.multiselect("Ranks", all_ranks, default=default, key=f"ranks:{scope}",

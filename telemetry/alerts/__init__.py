@@ -11,6 +11,7 @@ process can open). Rules file::
       - {type: low_throughput, min_mb_s: 50, min_bytes: 67108864}
       - {type: failed_ops, include_retries: true}
       - {type: uncommitted, deadline_s: 900}
+      - {type: unfinished_ranks, after_s: 300}
 """
 
 from telemetry.alerts.base import Alert, AlertConfigError, AllRule, AnyRule, Context, Window
@@ -19,6 +20,7 @@ from telemetry.alerts.failures import FailedOps
 from telemetry.alerts.slow_rank import SlowRank
 from telemetry.alerts.throughput import LowThroughput
 from telemetry.alerts.uncommitted import Uncommitted
+from telemetry.alerts.unfinished import UnfinishedRanks
 
 __all__ = [
     "Alert",
@@ -32,6 +34,7 @@ __all__ = [
     "Scheduler",
     "SlowRank",
     "Uncommitted",
+    "UnfinishedRanks",
     "Window",
     "evaluate",
     "load_rules",

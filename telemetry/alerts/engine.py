@@ -18,6 +18,7 @@ from telemetry.alerts.outbox import DEFAULT_BACKOFF_S, DEFAULT_MAX_ATTEMPTS, Del
 from telemetry.alerts.slow_rank import SlowRank
 from telemetry.alerts.throughput import LowThroughput
 from telemetry.alerts.uncommitted import Uncommitted
+from telemetry.alerts.unfinished import UnfinishedRanks
 from telemetry.store import insert_alerts, queries
 
 log = logging.getLogger("telemetry.alerts")
@@ -27,6 +28,7 @@ RULE_TYPES: dict[str, type] = {
     "low_throughput": LowThroughput,
     "failed_ops": FailedOps,
     "uncommitted": Uncommitted,
+    "unfinished_ranks": UnfinishedRanks,
 }
 DEFAULT_CONFIG: dict[str, Any] = {
     "window_s": 86400,

@@ -242,7 +242,8 @@ def test_trends_alerts_goodput_and_tiering_show_the_run(dsn, dashboard_run):
     assert list(table["rule"]) == ["slow_rank"] and list(table["rank"]) == [2]
     link = urlparse(table["heatmap"].iloc[0])
     assert link.path == "/topology" and parse_qs(link.query) == {
-        "job": [JOB], "run": [RUN_SAVE], "checkpoint": [dashboard_run.saves[1]], "op": ["save"]}
+        "job": [JOB], "run": [RUN_SAVE], "checkpoint": [dashboard_run.saves[1]], "op": ["save"],
+        "step": ["2"]}
 
     at = page("goodput", job=JOB, run=RUN_SAVE)
     inputs = goodput.GoodputInputs(iteration_s=at.number_input(key="t_iter").value,
