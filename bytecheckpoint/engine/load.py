@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -151,16 +152,27 @@ def _check_splittable(meta: CheckpointMetadata, flat: FlatState, world_size: int
                 f"or skip some. Leave {key!r} out of the state to start its epoch over, or use a "
                 "loader that reshards (bytecheckpoint.data.TokenLoader)"
             )
-    for key in sorted(flat.per_rank_stateful):
+    differing = []
+    for key in sorted(flat.rank_objects):
         copies = {(o.bytes.byte_length, tuple(o.bytes.checksums)) for o in meta.objects
                   if o.key == key and o.rank is not None}
-        if len(copies) > 1:
+        if len(copies) > 1 and key not in flat.per_rank_stateful:
+            differing.append(key)
+        elif len(copies) > 1:
             raise StateMismatchError(
                 f"state[{key!r}] was saved per rank by {meta.world_size} ranks with different "
                 f"values and cannot be split over {world_size} ranks: it does not know how to "
                 "reshard. Use a loader that does (bytecheckpoint.data.TokenLoader), or leave "
                 f"{key!r} out of the state and rebuild it"
             )
+    if differing:
+        # Documented (docs/format.md), but a per-rank value such as a numpy RNG state that
+        # every rank now shares changes training, so it is said out loud.
+        warnings.warn(
+            f"state entries {differing} were saved per rank with different values by "
+            f"{meta.world_size} ranks; loaded into {world_size} ranks, every rank gets rank 0's "
+            "value. Keep random generators in bytecheckpoint.RNGState(), which reseeds each new "
+            "rank, and rebuild other per-rank values after the load", RuntimeWarning, stacklevel=2)
 
 
 def _wanted(flat: FlatState) -> set[str]:

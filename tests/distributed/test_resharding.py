@@ -43,6 +43,9 @@ def test_fsdp2_4_ranks_to_n_ranks(world, fsdp2_ckpt, n):
         assert_same_state(saved[0]["ref"], r["state"])
         # Per-rank extra state comes from rank 0 when the world size changed.
         assert r["extra"] == {"step": STEPS, "rank": 0}, rank
+        # ... and the load says so: the saved ranks' values differed ("rank").
+        said = [m for m in r["warnings"] if "saved per rank with different values" in m]
+        assert len(said) == 1 and "'extra_state'" in said[0] and "rank 0's" in said[0], r["warnings"]
 
 
 def test_fsdp2_to_single_process_without_process_group(fsdp2_ckpt):
@@ -60,6 +63,7 @@ def test_fsdp2_back_on_4_ranks_continues_identically(world, fsdp2_ckpt):
     for rank, (r, s) in enumerate(zip(results, saved)):
         assert_same_state(s["ref"], r["state"])
         assert r["extra"] == {"step": STEPS, "rank": rank}
+        assert not [m for m in r["warnings"] if "saved per rank" in m]
         # Same data, same state: the next step's loss is the uninterrupted run's, exactly.
         assert r["next_loss"] == s["next_loss"]
 

@@ -6,6 +6,7 @@ Each returns plain data (full tensors on CPU, numbers) for the test to compare.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -93,8 +94,11 @@ def fsdp2_load(root: str, next_step: int | None = None, with_extra: bool = True)
     state: dict[str, Any] = {"model": model, "optimizer": optim}
     if with_extra:
         state["extra_state"] = extra
-    result = bcp.load(root, state, framework="fsdp2")
-    out = {"state": full_state(model, optim), "extra": dict(extra), "bytes_read": result.bytes_read}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = bcp.load(root, state, framework="fsdp2")
+    out = {"state": full_state(model, optim), "extra": dict(extra), "bytes_read": result.bytes_read,
+           "warnings": [str(c.message) for c in caught if c.category is RuntimeWarning]}
     if next_step is not None:
         out["next_loss"] = train_step(model, optim, next_step, dist.get_rank())
     return out
