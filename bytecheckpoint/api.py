@@ -22,6 +22,7 @@ from .engine.snapshot import snapshot_mode
 from .engine.staging_ring import staging_cap
 from .errors import InvalidArgumentError
 from .format.checksums import DEFAULT_CHUNK_BYTES
+from .manage.catalog import newer_than_latest
 
 MAX_STEP = 2**63 - 1  # what the metadata and the latest pointer store
 
@@ -143,6 +144,7 @@ def load(
     again (or rebuild the state) before using it.
     """
     wait_pending()  # a save still in flight finishes first (it may be the one to load)
+    path = newer_than_latest(path) or path  # object stores: 'latest' may lag a racing save
     return _load(path, state, framework=framework, strict=strict, process_group=process_group,
                  verify=verify, fqn_map=fqn_map)
 

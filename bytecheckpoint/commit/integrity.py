@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError
+from ..errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError, StorageIOError
 from ..format.checksums import bad_chunks
 from ..format.file_headers import Entry, expected_entries, header_problem, padding_limit
 from ..format.metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
@@ -160,6 +160,8 @@ def file_problem(storage: Storage, path: str, meta: CheckpointMetadata, name: st
         return header_problem(storage, path, name, size, header, metadata_max_bytes(),
                               padding=padding_limit(meta.format_version))
     except (OSError, EOFError) as exc:
+        if isinstance(exc, StorageIOError) and not isinstance(exc, NotARegularFileError):
+            raise  # the storage failed (no descriptors or memory left, EIO), not the file's bytes
         return f"{storage.url(full)}: cannot read its safetensors header: {exc}"
 
 

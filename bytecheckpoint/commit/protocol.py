@@ -536,9 +536,30 @@ class Latest:
 
 def read_latest(storage: Storage, root: str) -> Latest | None:
     """The ``latest`` pointer of ``root``, checked: it names a plain entry of ``root`` (never a
-    path out of it) and an integer step; anything else is a CorruptCheckpointError."""
+    path out of it) and an integer step; anything else is a CorruptCheckpointError.
+
+    An object store answers a read in two requests (its size, then its bytes), so a save
+    replacing the pointer between them tears the read; a damaged pointer reads the same bytes
+    twice in a row, so it is refused only then (or after five reads that all fail)."""
     pointer = posixpath.join(root, LATEST_FILE)
     where = storage.url(pointer)
+    last = None
+    for attempt in range(5):
+        raw = _read_pointer(storage, pointer, where)
+        if raw is None:
+            return None
+        try:
+            return _parse_latest(raw, where)
+        except CorruptCheckpointError:
+            if raw == last or attempt == 4:
+                raise
+            last = raw
+            time.sleep(0.01 * (attempt + 1))  # let the save's PUT finish
+    return None  # not reached: the last attempt returns or raises
+
+
+def _read_pointer(storage: Storage, pointer: str, where: str) -> bytes | None:
+    """The bytes of the pointer file; None where there is none."""
     try:
         raw = storage.read_small(pointer, MAX_LATEST_BYTES)  # a save renames over it any time
         if raw is None:
@@ -554,6 +575,10 @@ def read_latest(storage: Storage, root: str) -> Latest | None:
         if type(exc).__name__ != "NotARegularFileError":
             raise
         raise CorruptCheckpointError(f"{where}: {exc}") from exc
+    return raw
+
+
+def _parse_latest(raw: bytes, where: str) -> Latest:
     try:
         doc = json.loads(raw.decode())
         if not isinstance(doc, dict):
@@ -641,6 +666,12 @@ def update_latest(storage: Storage, final: str, step: int | None, save_id: str) 
             return True
         _clear_stale_pointer_temps(storage, parent)
         tmp = posixpath.join(parent, f"{POINTER_TEMP_PREFIX}{save_id}")
-        storage.write_bytes(tmp, doc)
-        storage.rename(tmp, posixpath.join(parent, LATEST_FILE), overwrite=True)
+        try:
+            storage.write_bytes(tmp, doc)
+            storage.rename(tmp, posixpath.join(parent, LATEST_FILE), overwrite=True)
+        except BaseException:
+            # Its fsync or rename failed (a full disk): the temp would stay a whole lease.
+            with contextlib.suppress(Exception):
+                storage.delete(tmp)
+            raise
         return True

@@ -31,9 +31,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import ConcurrentSaveError, StorageIOError
+from ..errors import ConcurrentSaveError, NotACheckpointError, StorageIOError
 from ..storage import CommitMode, Storage
 from ..storage.local import LocalStorage
+from ..storage.managed import os_failure
 from ..storage.wrapper import StorageWrapper
 
 STAGING_TAG = ".staging-"
@@ -192,8 +193,14 @@ class SaveLock:
                 break
             os.close(fd)
         self.previous = _read_fd(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(self.owner).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(self.owner).encode(), 0)
+        except OSError as exc:
+            # The flock is the lock; the record only names its holder in a loser's message (and
+            # lets the next holder spot a crash sooner). A full disk must not refuse the lock:
+            # that would keep `bcp gc` from freeing space and fail a save with no named error.
+            log.warning("save lock %s taken without its owner record (%s)", lock_file, exc)
         self._fd, self._lock_file = fd, lock_file
 
     # -- elsewhere: a lease record with a heartbeat ----------------------------------------------
@@ -329,6 +336,10 @@ def _key(storage: Storage, path: str) -> str:
 
 def acquire(storage: Storage, path: str, save_id: str) -> SaveLock:
     """Take the save lock on ``path`` or raise :class:`ConcurrentSaveError` naming its holder."""
+    if storage.commit_mode is CommitMode.MARKER and not _split(path)[0]:
+        # Its owner record and 'latest' go beside it, in the parent: a bucket has none.
+        raise NotACheckpointError(f"{storage.url(path)} is a whole bucket, which cannot be a checkpoint; "
+                                  f"give a name inside it, as in {storage.url(path.rstrip('/'))}/step_100")
     key = _key(storage, path)
     lock = SaveLock(storage, path, save_id, key)
     with _HELD_LOCK:
@@ -340,7 +351,13 @@ def acquire(storage: Storage, path: str, save_id: str) -> SaveLock:
         local = local_os_path(storage, path)
         if local is not None:
             parent, name = os.path.split(local.rstrip(os.sep))
-            lock._take_flock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
+            lock_file = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
+            try:
+                lock._take_flock(lock_file)
+            except OSError as exc:
+                if isinstance(exc, StorageIOError):
+                    raise
+                raise os_failure("lock", lock_file, exc) from exc  # a full disk, no descriptors
         elif uses_leases(storage):
             lock._take_lease()
     except BaseException:
@@ -363,13 +380,20 @@ def held_by_this_process(storage: Storage, path: str) -> SaveLock | None:
         return _HELD.get(_key(storage, path))
 
 
+def pointer_locked(storage: Storage, root: str) -> bool:
+    """Whether :func:`pointer_lock` serialises the savers of ``root`` (local disk). Elsewhere
+    (object stores, HDFS, mem://) two saves committing at once can leave ``latest`` on the
+    lower step, so readers check it against the root's listing (``catalog.overtaking``)."""
+    return local_os_path(storage, root) is not None and storage.commit_mode is not CommitMode.MARKER
+
+
 @contextlib.contextmanager
 def pointer_lock(storage: Storage, root: str, timeout_s: float = 30.0) -> Iterator[None]:
     """Serialise read-compare-replace of ``<root>/latest`` between savers on local disk (saves
     to different paths of one root), so an older step never replaces a newer one. Elsewhere
     the pointer is replaced by one atomic write without this lock."""
     local = local_os_path(storage, root)
-    if local is None or storage.commit_mode is CommitMode.MARKER:
+    if not pointer_locked(storage, root):
         yield
         return
     import fcntl

@@ -23,6 +23,7 @@ import xxhash
 from .._version import __version__
 from ..errors import CorruptCheckpointError, NewerFormatError, UnsafeCheckpointError
 from ..runtime.gc_pause import gc_paused
+from ..storage.base import COMMIT_MARKER_NAME
 from .boxes import Box, overlaps
 from .checks import DAMAGED, MAX_BYTES, check_boxes, check_files, fail, tensor_numel
 from .checksums import CHECKSUM_ALGORITHM, chunk_count
@@ -33,7 +34,7 @@ FORMAT_NAME = "bytecheckpoint"
 # 3: storage files may hold padding entries that align the pieces (format.file_headers).
 # 4: padding entries may be up to 4095 bytes, placing large pieces for direct writes.
 FORMAT_VERSION = 4
-METADATA_FILE = "metadata.msgpack"
+METADATA_FILE = COMMIT_MARKER_NAME  # written last: its presence is the commit
 MAGIC = b"BCPMETA\x00"
 _ENVELOPE = len(MAGIC) + 16
 

@@ -20,6 +20,7 @@ nothing moves or deletes such a checkpoint (:mod:`.protection`).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import posixpath
@@ -33,7 +34,7 @@ import xxhash
 
 from ..commit.leases import LEASED_SCHEMES, is_being_read, is_pinned
 from ..commit.protocol import LATEST_FILE, read_latest
-from ..commit.save_lock import STAGING_TAG, local_os_path
+from ..commit.save_lock import STAGING_TAG, local_os_path, pointer_locked
 from ..commit.timeline import abandoned_flags, metrics_of, timeline_of
 from ..errors import CheckpointError
 from ..format.metadata import METADATA_FILE, CheckpointMetadata
@@ -42,6 +43,8 @@ from ..storage import Storage, open_storage, split_url
 from ..storage.local import LocalStorage
 from .protection import untouchable_reason
 from .records import CheckpointInfo
+
+log = logging.getLogger(__name__)
 
 LOCAL_DISK = LocalStorage(fsync=False)  # listing a local root: no retries or I/O events per stat
 
@@ -315,6 +318,45 @@ def describe(path: str, hot_root: str, cold_root: str | None) -> CheckpointInfo 
     latest, latest_problem = latest_of(LOCAL_DISK, run_dir, entries)
     run = os.path.relpath(run_dir, hot_root) if run_dir != hot_root else "."
     return catalog._info(run, run_dir, name, read, latest, latest_problem, staging, True).info
+
+
+def overtaking(found: list[CheckpointInfo], name: str, pointer_step: int | None) -> CheckpointInfo | None:
+    """The committed checkpoint of ``found`` (one run) a resume takes instead of ``name``, the
+    one ``latest`` names, or None to take that one. Where saves of a root are not serialised
+    (``save_lock.pointer_locked``), two saves committing at once can leave ``latest`` on the
+    lower step. Nothing moves it back on purpose on one timeline (a rollback starts a new one),
+    so a checkpoint of a higher step that the named one's timeline holds is the newer one."""
+    head = next((c for c in found if c.name == name), None)
+    if (head is None or not head.committed or head.problem is not None or head.step is None
+            or pointer_step is None):
+        return None  # a pointer without a step moves on every save: no step says "newer"
+    newer = [c for c in found if c.committed and c.problem is None and c.step is not None
+             and c.step > head.step and head.timeline.holds(c.timeline, c.step)]
+    return max(newer, key=lambda c: (c.step, c.time)) if newer else None
+
+
+def newer_than_latest(url: str) -> str | None:
+    """The checkpoint a load of the root ``url`` takes instead of the one its ``latest`` names,
+    when two saves racing on a root without a pointer lock left ``latest`` on the lower step
+    (:func:`overtaking`): a resume never goes back a step. None to load ``url`` as it is (a
+    checkpoint, a root on local disk, a pointer with no step, nothing newer)."""
+    try:
+        storage, root = open_storage(url)
+        if pointer_locked(storage, root) or storage.exists(posixpath.join(root, METADATA_FILE)):
+            return None
+        latest = read_latest(storage, root)
+        if latest is None or latest.step is None:
+            return None
+        newer = overtaking(RootListing(storage, root).list(details=False), latest.name, latest.step)
+    except (CheckpointError, OSError):  # the load itself meets it and reports it, by name
+        return None
+    if newer is None:
+        return None
+    log.warning("%s names %s (step %s), but %s (step %s) of its timeline is committed too: two saves "
+                "committed at once and the older one moved 'latest' last; loading %s (the next save "
+                "moves 'latest' on)", storage.url(posixpath.join(root, LATEST_FILE)), latest.name,
+                latest.step, newer.name, newer.step, newer.name)
+    return storage.url(newer.path)
 
 
 class RootListing:

@@ -20,6 +20,7 @@ paths) inside the cold root; a link elsewhere is removed, its target never.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -35,7 +36,7 @@ from ..commit import save_lock
 from ..commit.integrity import metadata_identity
 from ..commit.leases import is_being_read, is_pinned
 from ..commit.protocol import LATEST_FILE
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConcurrentSaveError
 from ..format.metadata import METADATA_FILE
 from ..storage import Storage
 from ..storage.local import fsync_dir
@@ -160,9 +161,11 @@ def delete_checkpoint(ckpt: CheckpointInfo, hot_root: str, cold_root: str | None
     op_id = uuid.uuid4().hex[:12]
     # The path's save lock, held to the end: a recovery pass (or a save) never works on a
     # deletion still running, and a crashed one's lock goes with its process.
-    lock = save_lock.try_acquire(LOCAL_DISK, path, f"delete-{op_id}")
-    if lock is None:
-        raise DeletionRefusedError(f"{path}: a save, deletion or repair holds its path; kept")
+    try:
+        lock = save_lock.acquire(LOCAL_DISK, path, f"delete-{op_id}")
+    except ConcurrentSaveError:
+        raise DeletionRefusedError(f"{path}: a save, deletion or repair holds its path; kept") from None
+    # (a lock that cannot be taken at all, a read-only root, raises its own StorageIOError)
     try:
         return _delete_locked(path, ckpt, fresh, identity, hot_root, cold_root, journal, op_id)
     finally:
@@ -211,11 +214,23 @@ def _write_record(record: str, path: str, trash: str, fresh: CheckpointInfo, op_
            "identity": fresh.identity.hex()}
     fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        os.write(fd, json.dumps(doc).encode())
+        _write_all(fd, json.dumps(doc).encode())
         os.fsync(fd)
-    finally:
+    except BaseException:
+        # A full disk: an empty or torn record proves nothing, so no pass would ever remove it.
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(record)
+        raise
+    os.close(fd)
     fsync_dir(os.path.dirname(record))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data``: a short write (a nearly full disk) continues, or raises ENOSPC."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _drop_record(record: str, journal: Journal | None) -> None:

@@ -45,6 +45,13 @@ def exclusive(cold_root: str) -> Iterator[None]:
         os.close(fd)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data``: a short write (a nearly full disk) continues, or raises ENOSPC."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 class Journal:
     def __init__(self, cold_root: str) -> None:
         self.path = os.path.join(cold_root, JOURNAL_FILE)
@@ -54,8 +61,16 @@ class Journal:
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
-            os.fsync(fd)
+            end = os.fstat(fd).st_size
+            try:
+                _write_all(fd, line)
+                os.fsync(fd)
+            except OSError:
+                # A full disk writes part of a line and then fails: cut it off, or the next
+                # record, appended to that fragment, would be unreadable as well.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, end)
+                raise
         finally:
             os.close(fd)
 

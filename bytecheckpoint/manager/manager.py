@@ -31,6 +31,7 @@ from typing import Any
 from ..api import check_step, load
 from ..api import save as _save
 from ..commit.protocol import Latest, read_latest, repair
+from ..commit.save_lock import pointer_locked
 from ..commit.timeline import MANAGER_KEY, Timeline
 from ..errors import (
     CheckpointError,
@@ -40,7 +41,7 @@ from ..errors import (
     NotACheckpointError,
 )
 from ..format.metadata import METADATA_FILE
-from ..manage.catalog import RootListing
+from ..manage.catalog import RootListing, overtaking
 from ..manage.deletion import delete_on_storage
 from ..manage.records import CheckpointInfo
 from ..manage.retention import Context, Policy, plan_deletions
@@ -391,7 +392,12 @@ class CheckpointManager:
         pointer raises :class:`CorruptCheckpointError`."""
         pointer = read_latest(self.storage, self.root)
         if pointer is not None:
-            head = self.listing.catalog.one(self.root, pointer.name, details=False)
+            if not pointer_locked(self.storage, self.root):  # it may lag a racing save
+                pointer, head = self._head(self.listing.list(details=False))
+                if pointer is None:
+                    return None
+            else:
+                head = self.listing.catalog.one(self.root, pointer.name, details=False)
             return head.step if _loadable(head) and head is not None else pointer.step
         live = [c for c in self.listing.list(details=False) if not c.abandoned]
         return live[-1].step if live else None
@@ -409,6 +415,13 @@ class CheckpointManager:
         head = next((c for c in found if c.name == pointer.name), None)
         if head is None:
             head = self.listing.catalog.one(self.root, pointer.name, details=False)
+        locked = pointer_locked(self.storage, self.root)
+        newer = None if locked else overtaking(found, pointer.name, pointer.step)
+        if newer is not None:  # two saves committed at once; the older one moved 'latest' last
+            log.warning("%s: 'latest' names %s (step %s), but %s (step %s) of its timeline is committed "
+                        "too; taking %s as the latest", self.url, pointer.name, pointer.step, newer.name,
+                        newer.step, newer.name)
+            return Latest(newer.name, newer.step), newer
         return pointer, head
 
     def _repair_head(self, name: str) -> bool:

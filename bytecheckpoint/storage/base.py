@@ -17,6 +17,10 @@ from typing import Any, ClassVar
 
 from ..errors import NotARegularFileError
 
+# The commit marker's name (``format.metadata.METADATA_FILE``, which the format layer owns):
+# backends that upload a file in parts as it is written send this one in a single request.
+COMMIT_MARKER_NAME = "metadata.msgpack"
+
 log = logging.getLogger("bytecheckpoint.storage")
 
 

@@ -58,7 +58,7 @@ def _gave_up(op: str, url: str, exc: BaseException, attempts: int, started: floa
     ))
 
 
-def _os_failure(op: str, url: str, exc: OSError) -> StorageIOError:
+def os_failure(op: str, url: str, exc: OSError) -> StorageIOError:
     """A plain OSError (no path, often) as a named error saying what was done, where, and why."""
     code = exc.errno
     name = errno.errorcode.get(code, str(code)) if code is not None else "error"
@@ -93,7 +93,7 @@ class ManagedStorage(StorageWrapper):
             if retry.is_transient(exc):
                 raise _gave_up(op, self.url(path), exc, attempts, started) from exc
             if isinstance(exc, OSError) and not isinstance(exc, (StorageError, *_ANSWERS)):
-                raise _os_failure(op, self.url(path), exc) from exc
+                raise os_failure(op, self.url(path), exc) from exc
             raise
 
     def _call(self, op: str, path: str, fn: Callable[[], T], nbytes: int | None = None,

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import posixpath
 import re
+import sys
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -27,7 +29,7 @@ import pyarrow.fs as pafs
 
 from ..errors import InvalidStorageURLError, PermanentStorageError, StorageError, TransientStorageError
 from . import parallel
-from .base import CommitMode, Storage, Writer
+from .base import COMMIT_MARKER_NAME, CommitMode, Storage, Writer
 from .config import RetrySettings, S3Settings, TransferSettings, settings
 
 MIN_PART_BYTES = 5 << 20
@@ -102,10 +104,18 @@ def _filesystem(s3: S3Settings, retry: RetrySettings) -> pafs.S3FileSystem:
     return pafs.S3FileSystem(**{k: v for k, v in kwargs.items() if v is not None})
 
 
+def _streamed(key: str) -> bool:
+    """Whether a file is uploaded part by part while it is written. Not the metadata (the
+    commit marker, which an overwrite PUTs over the committed one): pyarrow cannot abort a
+    multipart upload, it completes one that is dropped, so a save interrupted part way would
+    leave a truncated marker in place of the old. It goes up in one call at commit instead."""
+    return posixpath.basename(key) != COMMIT_MARKER_NAME
+
+
 class _S3Writer(Writer):
     def __init__(self, storage: S3Storage, path: str) -> None:
         self._storage, self._path = storage, path
-        self._part = max(MIN_PART_BYTES, storage.transfer.part_bytes)
+        self._part = max(MIN_PART_BYTES, storage.transfer.part_bytes) if _streamed(path) else sys.maxsize
         self._buffer = bytearray()
         self._stream: pafs.NativeFile | None = None
         self._in_flight = 0
@@ -151,8 +161,10 @@ class _S3Writer(Writer):
         what = f"commit of {self._storage.url(self._path)}"
         if self._stream is None:
             # Small file: one PUT of the whole buffer; a failed attempt can be retried as is.
+            # Written from the buffer itself, no copy between open and write: a stream dropped
+            # by an interrupt is completed with what it holds (see _streamed).
             with _errors(what), self._storage.fs.open_output_stream(self._path) as stream:
-                stream.write(bytes(self._buffer))
+                stream.write(self._buffer)
             return self._size
         try:
             with _errors(what):
@@ -196,6 +208,9 @@ class S3Storage(Storage):
         if not _BUCKET.fullmatch(bucket):
             raise InvalidStorageURLError(f"s3://{path}: {bucket!r} is not a valid bucket name (3-63 "
                                          "lowercase letters, digits, '.' and '-')")
+        if "//" in path.strip("/"):  # pyarrow refuses such keys, late and without a word of advice
+            raise InvalidStorageURLError(f"s3://{path}: an s3:// path has no empty parts ('//'); "
+                                         "give s3://bucket/prefix/name")
 
     @staticmethod
     def _key(path: str) -> str:

@@ -165,10 +165,14 @@ def _take_lock(device: int, count: int, start: float, max_wait_s: float) -> Slot
     # Opened once for the whole wait, starting at a slot of this process's own, so that the
     # host's writers spread over the slots instead of all trying the first.
     first = os.getpid() % count
+    try:
+        directory = slots_dir()
+    except OSError:  # no usable temporary directory (full, or no descriptors): write unslotted
+        return Slot(None, time.monotonic() - start)
     fds: list[int] = []
     try:
         for i in range(count):
-            fd = _open_slot(slots_dir(), device, (first + i) % count)
+            fd = _open_slot(directory, device, (first + i) % count)
             if fd is None:
                 return Slot(None, time.monotonic() - start)
             fds.append(fd)
