@@ -58,7 +58,7 @@ from ..runtime.devices import exchange_device
 from ..runtime.gc_pause import gc_paused
 from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
-from ..state.tensor_shard import TensorShard
+from ..state.tensor_shard import ShardSet, TensorShard
 from ..storage import Storage
 from .coverage import add_read, check_coverage, check_shared_objects
 from .load_pipeline import BoxRead, Copy, LoadPipeline, Prefetch, direct_target
@@ -547,7 +547,19 @@ def _local_ranks(world: int) -> int:
 def _exchange_device(plan: _LocalPlan, process_group: Any) -> torch.device | None:
     """This rank's device for an NCCL exchange (its flag on the load's all-gather)."""
     tensors = [c.target.data for r in plan.reads.values() for c in r.copies]
-    return exchange_device([*tensors, *plan.flat.tensors.values()], process_group)
+    return exchange_device([*tensors, *_held_tensors(plan.flat.tensors.values())], process_group)
+
+
+def _held_tensors(values: Iterable[Any]) -> list[torch.Tensor]:
+    """The local tensors of a state's targets: ``flat.tensors`` also holds ``TensorShard`` and
+    ``ShardSet`` wrappers (FSDP1, Megatron), which have no device of their own to ask."""
+    out: list[torch.Tensor] = []
+    for value in values:
+        for piece in value.shards if isinstance(value, ShardSet) else (value,):
+            t = _local_of(piece)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
 
 
 def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Communicator

@@ -21,6 +21,7 @@ over gloo that none has failed, so either every rank posts them or every rank st
 from __future__ import annotations
 
 import posixpath
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -44,7 +45,7 @@ from ..runtime.comm import group_failure
 from ..runtime.devices import on_device
 from ..storage import Storage
 from .read_plan import ReadUnit
-from .staging import pool, settle_streams
+from .staging import HostBufferPool, pool, settle_streams
 
 DEFAULT_WINDOW_BYTES = 256 << 20
 # Bytes per sequential request of early reads: one local descriptor's worth
@@ -342,16 +343,44 @@ class PipelineResult:
     error: BaseException | None
 
 
+# Held by the load using the load pool's arena: loads run by two threads at once would read
+# into the same memory (and one could unpin it under the other's copies), so the second one
+# gets an arena of its own. Never waited for: two threads' distributed loads on different
+# groups would otherwise wait for each other across ranks.
+_SHARED_ARENA = threading.Lock()
+
+
 class _HostWindows:
     """Host memory for the windows of one load: two halves of one arena from the load's
     pinned pool, used by alternate windows. Window ``i + 2`` reuses window ``i``'s half only
     after window ``i``'s copies have completed (``LoadPipeline._finish`` waits for them), so
-    no unit allocates or pins memory of its own."""
+    no unit allocates or pins memory of its own. ``close()`` once no copy reads it."""
 
     def __init__(self, half_bytes: int, device: torch.device | None) -> None:
         self.half = _aligned(half_bytes)
-        self.arena = pool(True, purpose="load").reserve(2 * self.half, device) if self.half else None
+        self.arena: torch.Tensor | None = None
         self.used = [0, 0]
+        self._own: HostBufferPool | None = None  # this load's arena, when the shared one is busy
+        self._shared = bool(self.half) and _SHARED_ARENA.acquire(blocking=False)
+        try:
+            if self._shared:
+                self.arena = pool(True, purpose="load").reserve(2 * self.half, device)
+            elif self.half:
+                self._own = HostBufferPool(True)
+                self.arena = self._own.reserve(2 * self.half, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Give the arena back (the load's copies from it have completed)."""
+        self.arena = None
+        if self._own is not None:
+            self._own._release()  # unpinned before it is dropped
+            self._own = None
+        if self._shared:
+            self._shared = False
+            _SHARED_ARENA.release()
 
     def reset(self, half: int) -> None:
         self.used[half] = 0
@@ -431,7 +460,7 @@ class LoadPipeline:
                 continue
             if self.batched and u.box in exchanged:
                 out[u.box] = "device"
-            elif devices.PRETEND_CUDA_TARGETS:
+            elif devices.PRETEND_CUDA_TARGETS and read.box is not None:  # objects have no CUDA target
                 out[u.box] = "pinned"
             elif read.direct is not None:
                 out[u.box] = "direct"
@@ -577,6 +606,8 @@ class LoadPipeline:
         finally:
             self._settle_h2d()
             self._checks.close()  # after the readers: their last checks are queued by then
+            if self._host is not None:
+                self._host.close()
 
     def _settle_h2d(self) -> None:
         """Wait for the staged units' host-to-device copies, on every way out: a failed window

@@ -95,7 +95,8 @@ class Samples:
 
     replica_rows: ReplicaRows
     rows: dict[int, torch.Tensor]
-    ready: list[Any] = field(default_factory=list)  # CUDA events recorded after the copies
+    # (device, CUDA event recorded there after the copies)
+    ready: list[tuple[torch.device, Any]] = field(default_factory=list)
 
 
 def take_samples(views: list[torch.Tensor | None], replica_rows: ReplicaRows) -> Samples | None:
@@ -125,7 +126,7 @@ def take_samples(views: list[torch.Tensor | None], replica_rows: ReplicaRows) ->
     for device in {t.device for t in rows.values() if t.is_cuda}:
         event = torch.cuda.Event(blocking=True)  # synchronize() sleeps instead of spinning a core
         event.record(torch.cuda.current_stream(device))
-        ready.append(event)
+        ready.append((device, event))
     return Samples(replica_rows, rows, ready)
 
 
@@ -133,8 +134,11 @@ def replica_digests(samples: Samples | None) -> dict[int, tuple[int, ...]]:
     """Per replica set this rank holds: one xxh3 digest per bucket of its boxes' samples."""
     if samples is None:
         return {}
-    for event in samples.ready:
-        event.synchronize()  # the copies were queued on the training's stream
+    for device, event in samples.ready:
+        # On the event's device: the save's thread may be current on another one (a worker
+        # thread starts on cuda:0), where an event call would create a CUDA context.
+        with torch.cuda.device(device):
+            event.synchronize()  # the copies were queued on the training's stream
     rows = list(samples.rows)
     raw = dict(zip(rows, _bytes([samples.rows[row] for row in rows])))
     out: dict[int, tuple[int, ...]] = {}

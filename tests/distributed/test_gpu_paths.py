@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support import gpu_review_workloads as rw
 from tests.support import gpu_workloads as g
 from tests.support.dist import free_port
 from tests.support.helpers import assert_same_state
@@ -93,6 +94,16 @@ def test_pinning_makes_no_context_on_gpu_0(tmp_path):
     assert lines[-1] == "exact=True pinned=True context-on-0=False", out.stdout
 
 
+@needs_gpus(2, "replica samples of tensors on cuda:1 digested on a thread current on cuda:0")
+def test_replica_digests_make_no_context_on_gpu_0():
+    """The events after the sampling kernels are waited for on their own device: on the
+    thread's (a save's worker starts on cuda:0) the wait created a context on GPU 0."""
+    out = subprocess.run([sys.executable, "-c", rw.REPLICA_DEVICE_SCRIPT],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "exact=True context-on-0=False", out.stdout
+
+
 @needs_gpus(1, "the pinned staging arena: exact size, outside the caching host allocator")
 def test_pinned_arena_after_growth(tmp_path):
     got = g.pinned_bytes_after_growth(str(tmp_path))
@@ -130,6 +141,12 @@ def test_nccl_load_waits_for_the_callers_pending_writes(tmp_path):
     for r in _nccl_run(2, g.nccl_load_behind_pending_writes, root):
         assert r["transport"] == "nccl"
         assert_same_state(expected, r["state"])
+
+
+@needs_gpus(2, "an NCCL load into TensorShard targets (FSDP1 and Megatron states flatten to these)")
+def test_nccl_load_of_tensor_shards(tmp_path):
+    results = _nccl_run(2, rw.tensor_shards_swapped, str(tmp_path / "c"))
+    assert results == [{"transport": "nccl", "exact": True}] * 2, results
 
 
 @needs_gpus(3, "an NCCL load as the group's first operation, with ranks that post nothing")
