@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,44 +56,23 @@ def _positions(shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.unravel_index(torch.arange(0, numel, _step(numel)), shape))
 
 
-def _sample(view: torch.Tensor) -> torch.Tensor:
-    """About ``SAMPLES`` of ``view``'s elements, as a contiguous 1-D tensor on its device."""
-    view = view.detach()
+def _pick(view: torch.Tensor) -> torch.Tensor:
+    """About ``SAMPLES`` of the elements of ``view`` (more than that many) as a 1-D tensor on its
+    device, possibly a view of it (``take_samples`` copies it with the others of its dtype)."""
     numel = view.numel()
-    if numel <= SAMPLES:
-        picked = view.reshape(-1)
-    elif view.is_contiguous():  # a strided view, then one small copy (cheaper than indexing)
-        picked = view.view(-1)[:: _step(numel)]
-    else:
-        picked = view[_positions(tuple(view.shape))]
-    out = picked.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    if out.numel() and out.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
-        out = out.clone()  # still the live tensor's memory: digested later, so copy it now
-    return out
-
-
-def _bytes(samples: list[torch.Tensor]) -> list[bytes]:
-    """Each sample's bytes, from one concatenation (and one host copy) per device."""
-    out = [b""] * len(samples)
-    by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for i, sample in enumerate(samples):
-        by_device[sample.device].append(i)
-    for idx in by_device.values():
-        raw = [samples[i].view(torch.uint8) for i in idx]
-        data = torch.cat(raw).cpu().numpy().tobytes()
-        start = 0
-        for i, r in zip(idx, raw):
-            out[i] = data[start:start + r.numel()]
-            start += r.numel()
-    return out
+    if view.is_contiguous():  # a strided view: no indexing kernel
+        return view.view(-1)[:: _step(numel)]
+    return view[_positions(tuple(view.shape))]
 
 
 @dataclass
 class Samples:
-    """Copies of this rank's replicated boxes' samples, taken at ``save()`` time."""
+    """Copies of this rank's replicated boxes' samples, taken at ``save()`` time: per device
+    and dtype, one tensor holding the samples of its rows one after another."""
 
     replica_rows: ReplicaRows
-    rows: dict[int, torch.Tensor]
+    # (samples, [(row, how many of them are its)]) in the order they lie in the tensor
+    blobs: list[tuple[torch.Tensor, list[tuple[int, int]]]]
     # (device, CUDA event recorded there after the copies)
     ready: list[tuple[torch.device, Any]] = field(default_factory=list)
 
@@ -105,29 +83,39 @@ def take_samples(views: list[torch.Tensor | None], replica_rows: ReplicaRows) ->
     GPU the sampling kernels are queued on the current stream, and an event marks their end."""
     if not replica_rows or mode() == "off":
         return None
-    rows: dict[int, torch.Tensor] = {}
-    alike: dict[tuple[Any, ...], list[tuple[int, torch.Tensor]]] = defaultdict(list)
-    for _, held in replica_rows:
-        for row in held:
-            view = views[row]
-            assert view is not None
-            if view.numel() <= SAMPLES and not view.is_complex():  # complex: conj views, below
-                alike[(view.device, view.dtype, tuple(view.shape))].append((row, view))
-            else:
-                rows[row] = _sample(view)
+    # Small boxes (optimizer step counters: one per parameter) are stacked whole, one stack per
+    # device, dtype and shape; per-box tensor calls cost more than copying them.
+    small: dict[tuple[torch.device, torch.dtype, torch.Size], tuple[list[torch.Tensor], list[int]]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[tuple[int, int]]]] = {}
     with torch.no_grad():
-        for group in alike.values():
-            # Small boxes alike (optimizer step counters: one per parameter) whole, stacked in one
-            # copy: per-box tensor calls cost more than the copy.
-            blob = torch.stack([v for _, v in group]).reshape(len(group), -1).view(torch.uint8)
-            for i, (row, _) in enumerate(group):
-                rows[row] = blob[i]
+        for _, held in replica_rows:
+            for row in held:
+                view = views[row]
+                assert view is not None
+                if view.is_conj() or view.is_neg():  # lazily conjugated views: their values
+                    view = view.resolve_conj().resolve_neg()
+                if view.numel() <= SAMPLES:
+                    alike, rows = small.setdefault((view.device, view.dtype, view.shape), ([], []))
+                    alike.append(view)
+                    rows.append(row)
+                    continue
+                picks, where = groups.setdefault((view.device, view.dtype), ([], []))
+                pick = _pick(view)
+                picks.append(pick)
+                where.append((row, pick.numel()))
+        for (device, dtype, shape), (alike, rows) in small.items():
+            picks, where = groups.setdefault((device, dtype), ([], []))
+            picks.append(torch.stack(alike).view(-1))
+            where.extend((row, shape.numel()) for row in rows)
+        # One concatenation per device and dtype: a copy, so the samples keep save() time's
+        # values whatever the training does next.
+        blobs = [(torch.cat(picks), where) for picks, where in groups.values()]
     ready = []
-    for device in {t.device for t in rows.values() if t.is_cuda}:
+    for device in {blob.device for blob, _ in blobs if blob.is_cuda}:
         event = torch.cuda.Event(blocking=True)  # synchronize() sleeps instead of spinning a core
         event.record(torch.cuda.current_stream(device))
         ready.append((device, event))
-    return Samples(replica_rows, rows, ready)
+    return Samples(replica_rows, blobs, ready)
 
 
 def replica_digests(samples: Samples | None) -> dict[int, tuple[int, ...]]:
@@ -139,8 +127,13 @@ def replica_digests(samples: Samples | None) -> dict[int, tuple[int, ...]]:
         # thread starts on cuda:0), where an event call would create a CUDA context.
         with torch.cuda.device(device):
             event.synchronize()  # the copies were queued on the training's stream
-    rows = list(samples.rows)
-    raw = dict(zip(rows, _bytes([samples.rows[row] for row in rows])))
+    raw: dict[int, bytes] = {}
+    for blob, where in samples.blobs:
+        data = blob.view(torch.uint8).cpu().numpy().tobytes()  # one host copy per blob
+        size, offset = blob.element_size(), 0
+        for row, numel in where:
+            raw[row] = data[offset:offset + numel * size]
+            offset += numel * size
     out: dict[int, tuple[int, ...]] = {}
     for set_id, held in samples.replica_rows:
         hashes = [xxhash.xxh3_64() for _ in range(min(REPLICA_BUCKETS, len(held)))]
