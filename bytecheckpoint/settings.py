@@ -176,7 +176,8 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
             "on storage without file locks, a save's owner record counts as dead this long after "
             "its last heartbeat (then another save to the path may clean its staging)"),
     Setting("BCP_SAVE_HEARTBEAT_S", "bytecheckpoint/commit/save_lock.py", "30",
-            "how often a save renews its owner record on storage without file locks"),
+            "how often a save renews its owner record on storage without file locks (under "
+            "BCP_SAVE_LEASE_S)"),
     Setting("BCP_SAVE_STAGING_GRACE_S", "bytecheckpoint/commit/protocol.py", "60",
             "a staging directory with no owner is left alone this long before it counts as stale"),
     Setting("BCP_OVERWRITE_WAIT_S", "bytecheckpoint/commit/protocol.py", "5",

@@ -42,6 +42,8 @@ def _ls_rows(root: Any, checkpoints: list[Any], now: float) -> list[dict[str, An
             "age_s": round(now - c.modified, 3), "latest": c.latest, "pinned": c.pinned,
             "being_read": c.being_read, "problem": c.problem, "abandoned": c.abandoned,
         }
+        if c.newer_format:  # committed by a newer release: not a crashed save
+            row.update(committed=True, newer_format=True, files=0)
         if c.committed:
             try:
                 meta = root.metadata(c)
@@ -72,7 +74,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                                          ("reading", r["being_read"]), ("unclassified", r["problem"]))
                          if on)
         cells.append([os.path.normpath(os.path.join(r["run"], r["name"])),
-                      "-" if r["step"] is None else r["step"], human(r["size"]) if r["committed"] else "-",
+                      "-" if r["step"] is None else r["step"],
+                      human(r["size"]) if r["committed"] and not r.get("newer_format") else "-",
                       r["files"] or "-", r.get("layout_text") or "-", r["framework"] or "-",
                       "yes" if r["committed"] else "no", r["tier"], age(r["age_s"]), flags])
     print(table(["CHECKPOINT", "STEP", "SIZE", "FILES", "WORLD", "FRAMEWORK", "COMMITTED", "TIER", "AGE",

@@ -225,6 +225,8 @@ def verify_files(url: str, *, threads: int = 4,
                 bad += bad_chunks(data[lead:], start, list(piece.checksums), meta.chunk_bytes)
                 lead = 0
         except (OSError, EOFError) as exc:
+            if isinstance(exc, StorageIOError) and not isinstance(exc, NotARegularFileError):
+                raise  # the storage failed (as in ``file_problem``), not the file's bytes
             return out + [Problem(piece.file, f"{storage.url(full)}: cannot read bytes "
                                               f"{piece.byte_offset}+{piece.byte_length}: {exc}")]
         finally:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import posixpath
 import re
@@ -77,7 +78,15 @@ def _seconds(name: str, default: float) -> float:
         value = float(os.environ.get(name, default))
     except ValueError:
         return default
-    return value if value >= 0 else default
+    return value if value >= 0 and math.isfinite(value) else default
+
+
+def check_save_settings() -> None:
+    """The commit settings a save reads, checked as it starts (``save_lock.setting_seconds``):
+    a bad value is named, not replaced by the default where it is read."""
+    save_lock.check_settings()
+    save_lock.setting_seconds(GRACE_ENV, DEFAULT_GRACE_S, zero_ok=True)
+    save_lock.setting_seconds(WAIT_READERS_ENV, DEFAULT_WAIT_READERS_S, zero_ok=True)
 
 
 def _tag_of(save_id: str) -> str:

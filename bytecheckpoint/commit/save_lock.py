@@ -23,6 +23,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import posixpath
 import socket
@@ -31,7 +32,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import ConcurrentSaveError, NotACheckpointError, StorageIOError
+from ..errors import ConcurrentSaveError, InvalidSettingError, NotACheckpointError, StorageIOError
 from ..storage import CommitMode, Storage
 from ..storage.local import LocalStorage
 from ..storage.managed import os_failure
@@ -53,11 +54,42 @@ _HELD_LOCK = threading.Lock()
 
 
 def _env_seconds(name: str, default: float) -> float:
+    """Never raises (the heartbeat thread reads it): a bad value was refused as the save
+    started (``check_settings``); one set since then gets the default."""
     try:
         value = float(os.environ.get(name, default))
     except ValueError:
         return default
-    return value if value > 0 else default
+    return value if value > 0 and math.isfinite(value) else default
+
+
+def setting_seconds(name: str, default: float, *, zero_ok: bool = False) -> float:
+    """The seconds the environment variable ``name`` gives (``default`` when unset), or an
+    InvalidSettingError naming it: abc, a negative, NaN or infinite value is no duration."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise InvalidSettingError(f"{name} = {raw!r} is not a finite number of seconds {bound}: "
+                                  f"unset it (default {default:g}) or give one")
+    return value
+
+
+def check_settings() -> None:
+    """Called as a save starts: a bad lease or heartbeat setting is named there, never
+    replaced in silence (a heartbeat as long as the lease lets a live save's lease lapse)."""
+    lease = setting_seconds(LEASE_ENV, DEFAULT_LEASE_S)
+    beat = setting_seconds(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)
+    if beat >= lease:
+        raise InvalidSettingError(
+            f"{HEARTBEAT_ENV} = {beat:g} s is not shorter than {LEASE_ENV} = {lease:g} s: a save's "
+            "owner record would count as dead between its heartbeats; make the heartbeat a "
+            "fraction of the lease (defaults 30 and 300)")
 
 
 def lease_seconds() -> float:

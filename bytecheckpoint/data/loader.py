@@ -434,11 +434,19 @@ class TokenLoader:
                     f"data loader source {i} ({now}) is not the source the checkpoint read there "
                     f"({was}): its samples differ; {hint}")
 
+    def _check_not_started(self) -> None:
+        """A load replaces the loader's position; readers already started hold their own
+        (a loader only restored, even several times, has none and takes the new one)."""
+        if self._procs or self._closed_after:
+            raise StateMismatchError(
+                f"this TokenLoader was already iterated ({self.batches} batches; its readers "
+                "started), so a checkpoint's position cannot replace its own: load the checkpoint "
+                "into a new TokenLoader made with the same arguments")
+
     def restore_shards(self, entries: dict[str, Any]) -> None:
         if REPLICATED not in entries:
             raise StateMismatchError("the checkpoint holds no state for this data loader")
-        if self.batches or self._procs:
-            raise StateMismatchError("load the data loader's state before iterating it")
+        self._check_not_started()
         try:
             saved = Layout.from_dict(entries[REPLICATED])
             fingerprints = entries[REPLICATED].get("fingerprints")

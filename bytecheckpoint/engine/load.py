@@ -176,7 +176,7 @@ def _check_splittable(meta: CheckpointMetadata, flat: FlatState, world_size: int
 
 
 def _wanted(flat: FlatState) -> set[str]:
-    return set(flat.tensors) | set(flat.shared_objects) | set(flat.rank_objects)
+    return set(flat.tensors) | set(flat.shared_objects) | set(flat.rank_objects) | flat.absent
 
 
 def _accepted(prefixes: list[str], key: str) -> bool:

@@ -48,7 +48,7 @@ from ..commit.integrity import (
     staging_path,
     update_latest,
 )
-from ..commit.protocol import data_file_tag, prepare_target
+from ..commit.protocol import check_save_settings, data_file_tag, prepare_target
 from ..errors import (
     CheckpointExistsError,
     InvalidArgumentError,
@@ -79,7 +79,7 @@ from ..runtime.devices import on_device
 from ..runtime.gc_pause import gc_paused
 from ..runtime.identity import stamp_rank, stamp_topology, state_tensors
 from ..state.flatten import FlatState, flatten_state
-from ..storage import CommitMode, Storage, open_storage
+from ..storage import CommitMode, Storage, open_storage, write_slots
 from . import host_files, pieces_memo, replicas, snapshot, staging, staging_ring, write_through
 from .async_save import SaveHandle, launch_pending, save_turn, set_pending, wait_pending
 from .host_files import HostLayout
@@ -820,6 +820,8 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
         local_error: BaseException | None = None
         with span("save.collect"):
             try:
+                check_save_settings()  # named here, not defaulted where they are read
+                write_slots.check_setting()
                 job.host = host_files.resolve(opts.files_per, opts.host_size, comm.rank, comm.world_size)
                 split_checkpoint_path(path)
                 _refuse_process_private(url, storage, comm)

@@ -36,7 +36,7 @@ from ..commit.leases import LEASED_SCHEMES, is_being_read, is_pinned
 from ..commit.protocol import LATEST_FILE, read_latest
 from ..commit.save_lock import STAGING_TAG, local_os_path, pointer_locked
 from ..commit.timeline import abandoned_flags, metrics_of, timeline_of
-from ..errors import CheckpointError
+from ..errors import CheckpointError, NewerFormatError
 from ..format.metadata import METADATA_FILE, CheckpointMetadata
 from ..format.metadata_file import read_metadata_bytes
 from ..storage import Storage, open_storage, split_url
@@ -82,6 +82,7 @@ class _Read:
     meta_size: int
     problem: str | None
     identity: bytes = b""  # xxh3-128 of the metadata bytes (``integrity.metadata_identity``)
+    newer: bool = False  # committed, in a format newer than this release reads
 
 
 def _cooled_link(full: str, ckpt_dir: str, cold_root: str | None) -> bool:
@@ -126,6 +127,8 @@ class Catalog:
                 self._cache[key] = _Read(meta, size, None, xxhash.xxh3_128_digest(raw))
             except FileNotFoundError:
                 return None
+            except NewerFormatError as exc:  # committed (its metadata is there), not damaged
+                self._cache[key] = _Read(None, size, f"newer format ({str(exc)[:200]})", newer=True)
             except (CheckpointError, OSError, ValueError, TypeError) as exc:
                 self._cache[key] = _Read(None, size, f"unreadable metadata ({str(exc)[:200]})")
         return self._cache[key]
@@ -223,8 +226,12 @@ class Catalog:
             being_read=leased and is_being_read(self.storage, path))
         problem = latest_problem or (read.problem if read is not None else None)
         if read is None or read.meta is None:
+            # A newer format's checkpoint counts as uncommitted here (nothing this release can
+            # classify) but says what it is; its ``problem`` keeps gc and tiering off it.
+            newer = read is not None and read.newer
             return _Built(CheckpointInfo(step=None, time=0.0, size=read.meta_size if read else 0,
-                                         tier="uncommitted", committed=False, problem=problem,
+                                         tier="newer-format" if newer else "uncommitted",
+                                         committed=False, newer_format=newer, problem=problem,
                                          modified=_mtime_of_entries(local), **common), None)
         meta = read.meta
         step, step_problem = check_step(meta.step)

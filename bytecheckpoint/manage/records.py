@@ -29,6 +29,9 @@ class CheckpointInfo:
     being_read: bool = False
     staging: bool = False  # a save to this path is under way (or crashed)
     committed: bool = True
+    # committed by a newer release, whose format this one cannot read (``committed`` is False:
+    # nothing here may act on it; ``problem`` says to upgrade)
+    newer_format: bool = False
     problem: str | None = None  # why it cannot be classified safely: never moved or deleted
     run: str = "."  # the run directory, relative to the scanned root
     path: str = ""  # the path in its storage (on local disk: the absolute path)
@@ -46,7 +49,9 @@ class CheckpointInfo:
 
     @property
     def state(self) -> str:
-        """``uncommitted``, ``hot``, ``cold`` (every file) or ``partial``."""
+        """``uncommitted``, ``newer-format``, ``hot``, ``cold`` (every file) or ``partial``."""
+        if self.newer_format:
+            return "newer-format"
         if not self.committed:
             return "uncommitted"
         if self.cold_files == 0:

@@ -85,6 +85,9 @@ class FlatState:
     rank_sharded: set[str] = field(default_factory=set)
     # Names of the module adapters used (e.g. "fsdp"), for framework detection.
     adapters: set[str] = field(default_factory=set)
+    # Loads: keys of objects that restore themselves (a data loader, RNGState) of which the
+    # checkpoint holds nothing: missing keys, like any other (strict=False skips them).
+    absent: set[str] = field(default_factory=set)
 
     def kind_of(self, key: str) -> str:
         return self.kinds[key.split("/", 1)[0]]
@@ -524,6 +527,9 @@ def _flatten_reshardable(key: str, value: Any, flat: FlatState, for_load: bool,
     """Each entry is saved once by any rank holding it (identical copies, e.g. a DP shard
     held by its TP peers, are written once); a load reads the entries the object asks for."""
     flat.kinds[key] = KIND_EXTRA
+    if for_load and not has_saved_state(key):
+        flat.absent.add(key)  # nothing to restore: left as it is, reported missing
+        return
     if for_load:
         prefixes = value.load_prefixes(lambda rel: has_saved_state(f"{key}/{rel}"))
         flat.accept_prefixes.extend(f"{key}/{p}" for p in prefixes)
@@ -601,6 +607,19 @@ def _sharded_by_rank(value: Any) -> bool:
     return any(isinstance(s, DistributedSampler) for s in samplers)
 
 
+def _not_too_deep(key: str, merge: Callable[[Any, Any], Any], target: Any, loaded: Any) -> Any:
+    """``merge(target, loaded)`` (``into`` or ``like``, which recurse level by level): a value
+    nested deeper than Python's recursion limit allows is a named error, not RecursionError
+    (the codec stores plain lists and dicts up to 1000 levels deep)."""
+    try:
+        return merge(target, loaded)
+    except RecursionError:
+        raise UnsupportedStateError(
+            f"state[{key!r}] nests too deeply (hundreds of levels of lists or dicts) to be loaded "
+            f"into the value passed: pass None as state[{key!r}] to get the saved value as it is, "
+            "or store a flatter form") from None
+
+
 def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat: FlatState) -> None:
     flat.kinds[key] = KIND_EXTRA
     if _is_stateful(value):
@@ -611,13 +630,13 @@ def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat:
 
         def apply(_shared: dict[str, Any], rank: dict[str, Any]) -> None:
             if key in rank:  # with the types its own state_dict() has (an OrderedDict, ...)
-                value.load_state_dict(like(template, rank[key]))
+                value.load_state_dict(_not_too_deep(key, like, template, rank[key]))
     else:
         flat.rank_objects[key] = value
 
         def apply(_shared: dict[str, Any], rank: dict[str, Any]) -> None:
             if key in rank:  # the caller's containers and tensors are kept, as torch's load does
-                state[key] = into(value, rank[key])
+                state[key] = _not_too_deep(key, into, value, rank[key])
 
     flat.appliers.append(apply)
 

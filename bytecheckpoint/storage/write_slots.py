@@ -36,6 +36,8 @@ import tempfile
 import threading
 import time
 
+from ..errors import InvalidSettingError
+
 SLOTS_DIR_ENV = "BCP_STORAGE_SLOTS_DIR"
 MAX_WAIT_S = 120.0
 _held = threading.local()  # slots this thread holds: it never waits for another one
@@ -92,6 +94,17 @@ def _this_thread() -> _Count:
 
 def slots_dir() -> str:
     return os.environ.get(SLOTS_DIR_ENV, "").strip() or tempfile.gettempdir()
+
+
+def check_setting() -> None:
+    """Called as a save starts: a ``BCP_STORAGE_SLOTS_DIR`` that is no directory is a typo
+    that would turn the host's write limit off without a word; it is named instead."""
+    raw = os.environ.get(SLOTS_DIR_ENV, "").strip()
+    if raw and not os.path.isdir(raw):
+        what = "does not exist" if not os.path.lexists(raw) else "is not a directory"
+        raise InvalidSettingError(f"{SLOTS_DIR_ENV} = {raw!r} {what}: give a directory every "
+                                  "process of the host can write, or unset it (the temporary "
+                                  "directory)")
 
 
 class Slot:
