@@ -83,14 +83,24 @@ def frame(client: Any, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:
 
 
 def jobs(client: Any) -> pd.DataFrame:
-    """Per (job, run): checkpoints saved and loaded, ranks, first and last event."""
+    """Per (job, run): save and load calls (as ``checkpoints`` counts them: a "latest" path
+    saved 100 times is 100 saves), ranks, first and last event."""
+    calls = _calls("checkpoint != '' AND checkpoint_op IN ('save', 'load')")
     sql = f"""
-    SELECT job, run, uniqExactIf(checkpoint, checkpoint_op = 'save') AS saves,
-           uniqExactIf(checkpoint, checkpoint_op = 'load') AS loads, max(world_size) AS world_size,
-           min(toFloat64(ts)) AS first_ts, max(toFloat64(ts) + duration_s) AS last_ts,
-           countIf(outcome = 'error') AS errors
-    FROM {EVENTS} FINAL
-    GROUP BY job, run
+    SELECT j.job AS job, j.run AS run, c.saves AS saves, c.loads AS loads, j.world_size AS world_size,
+           j.first_ts AS first_ts, j.last_ts AS last_ts, j.errors AS errors
+    FROM (
+        SELECT job, run, max(world_size) AS world_size, min(toFloat64(ts)) AS first_ts,
+               max(toFloat64(ts) + duration_s) AS last_ts, countIf(outcome = 'error') AS errors
+        FROM {EVENTS} FINAL
+        GROUP BY job, run
+    ) AS j
+    LEFT JOIN (
+        SELECT job, run, uniqExactIf((checkpoint, call_step, call), checkpoint_op = 'save') AS saves,
+               uniqExactIf((checkpoint, call_step, call), checkpoint_op = 'load') AS loads
+        FROM {calls}
+        GROUP BY job, run
+    ) AS c ON j.job = c.job AND j.run = c.run
     ORDER BY last_ts DESC
     """
     return frame(client, sql, {})

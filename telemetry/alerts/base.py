@@ -31,7 +31,7 @@ class Window:
     """Per (job, run, checkpoint, op, step, rank, phase) rows, as ``queries.rank_phases`` returns them.
 
     Keys used by the rules: job, run, checkpoint, op, rank, phase, step, spans, duration_s,
-    bytes, errors, retries, start_ts, end_ts, sample_error.
+    bytes, errors, retries, start_ts, end_ts, sample_error, world_size (of the rank's newest span).
     """
 
     rows: Sequence[dict[str, Any]]

@@ -33,15 +33,21 @@ def rank_phases(client: Any, since: datetime, *, job: str = "", run: str = "") -
     """Per (checkpoint, op, step, rank, phase span name) since ``since``: busy seconds, bytes,
     spans, errors, retries. The alert rules' input. The step keeps apart the saves of one path
     (a "latest" checkpoint overwritten every time), which summed together hid a slow rank of
-    the newest save and, behind an earlier commit, a save that never committed."""
+    the newest save and, behind an earlier commit, a save that never committed.
+
+    A span is in the window when it ends after ``since`` (spans started up to a day earlier):
+    by its start, the window's edge cut a call between ranks (one rank's save span out, its
+    later inner spans in), and that rank looked as if it never ended the call."""
     sql = f"""
     SELECT job, run, checkpoint, checkpoint_op AS op, rank, name AS phase, step,
            count() AS spans, sum(duration_s) AS duration_s, sum(ifNull(bytes, 0)) AS bytes,
            countIf(outcome = 'error') AS errors, countIf(ifNull(attempt, 1) > 1) AS retries,
            min(toFloat64(ts)) AS start_ts, max(toFloat64(ts) + duration_s) AS end_ts,
-           any(error) AS sample_error
+           any(error) AS sample_error, argMax(world_size, ts) AS world_size
     FROM {EVENTS} FINAL
-    WHERE ts >= {{since:DateTime64(6)}} AND rank IS NOT NULL AND {_FILTERS}
+    WHERE ts >= {{since:DateTime64(6)}} - INTERVAL 1 DAY
+      AND toFloat64(ts) + duration_s >= toFloat64({{since:DateTime64(6)}})
+      AND rank IS NOT NULL AND {_FILTERS}
     GROUP BY job, run, checkpoint, checkpoint_op, step, rank, name
     ORDER BY job, run, checkpoint, checkpoint_op, step, name, rank
     """
