@@ -23,6 +23,7 @@ from .engine.staging_ring import staging_cap
 from .errors import InvalidArgumentError
 from .format.checksums import DEFAULT_CHUNK_BYTES
 from .manage.catalog import newer_than_latest
+from .runtime.comm import Communicator, Outcome, raise_failures
 
 MAX_STEP = 2**63 - 1  # what the metadata and the latest pointer store
 
@@ -144,9 +145,32 @@ def load(
     again (or rebuild the state) before using it.
     """
     wait_pending()  # a save still in flight finishes first (it may be the one to load)
-    path = newer_than_latest(path) or path  # object stores: 'latest' may lag a racing save
+    path = _past_lagging_latest(path, process_group)  # object stores: 'latest' may lag a racing save
     return _load(path, state, framework=framework, strict=strict, process_group=process_group,
                  verify=verify, fqn_map=fqn_map)
+
+
+def _past_lagging_latest(path: str, process_group: Any) -> str:
+    """``path``, or the newer checkpoint a load takes instead of the one a lagging ``latest``
+    names (:func:`newer_than_latest`). That lists the root and reads every checkpoint's
+    metadata, so in a process group the coordinator alone does it and broadcasts the answer
+    (one small collective before the engine's, which every rank of a load calls): a resume of
+    1,000 ranks reads the root once, not 1,000 times."""
+    comm = Communicator(process_group)
+    if not comm.distributed:
+        return newer_than_latest(path) or path
+    mine: Outcome | None = None
+    error: BaseException | None = None
+    if comm.is_coordinator:
+        try:
+            mine = Outcome(value=(path, newer_than_latest(path)))
+        except BaseException as exc:  # told to the others, who wait in the broadcast
+            error, mine = exc, Outcome.failure(exc)
+    told = comm.broadcast(mine)
+    raise_failures([told], "checkpoint load", error)
+    asked, newer = told.value
+    # A rank given another path loads it: the engine's identity check names the mismatch.
+    return newer if newer is not None and asked == path else path
 
 
 def pipeline_fqn_map(offset: int, prefix: str = "layers.") -> Callable[[str], str]:
