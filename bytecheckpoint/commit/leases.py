@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import posixpath
 import socket
@@ -133,8 +134,8 @@ def _ttl() -> float:
         value = float(raw) if raw else DEFAULT_TTL_S
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise InvalidSettingError(f"{TTL_ENV} = {raw!r} is not a number of seconds > 0: give how long "
+    if not 0 < value < math.inf:  # an infinite lease would never lapse (a dead reader's on S3)
+        raise InvalidSettingError(f"{TTL_ENV} = {raw!r} is not a finite number of seconds > 0: give how long "
                                   f"a read lease protects a checkpoint (default {DEFAULT_TTL_S:.0f}), or "
                                   "unset it")
     return value

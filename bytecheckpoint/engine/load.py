@@ -541,7 +541,8 @@ def _prefetch(plan: _LocalPlan, rank: int, world: int, xdev: torch.device | None
 
 def _local_ranks(world: int) -> int:
     raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return min(world, int(raw)) if raw.isdigit() and int(raw) > 0 else world
+    # isdecimal, not isdigit: int() refuses digits such as '²' that isdigit accepts
+    return min(world, int(raw)) if raw.isdecimal() and int(raw) > 0 else world
 
 
 def _exchange_device(plan: _LocalPlan, process_group: Any) -> torch.device | None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidSettingError
 from ..planning.global_plan import REPLICA_BUCKETS, ReplicaRows
 
 MODE_ENV = "BCP_DIFFERING_REPLICAS"
@@ -36,7 +36,7 @@ def mode() -> str:
     """What replicas that differ between ranks do (``BCP_DIFFERING_REPLICAS``)."""
     value = os.environ.get(MODE_ENV, "").strip().lower() or "refuse"
     if value not in MODES:
-        raise InvalidArgumentError(f"{MODE_ENV}={os.environ[MODE_ENV]!r}: expected one of {', '.join(MODES)}")
+        raise InvalidSettingError(f"{MODE_ENV}={os.environ[MODE_ENV]!r}: expected one of {', '.join(MODES)}")
     return value
 
 SAMPLES = 64  # elements hashed per box; a box of at most this many is hashed whole

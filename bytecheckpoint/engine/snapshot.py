@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..errors import InvalidArgumentError, SnapshotChangedError
+from ..errors import InvalidArgumentError, InvalidSettingError, SnapshotChangedError
 from .write_through import enabled as write_through_enabled
 
 CONFIRM_SETTING = "BCP_SNAPSHOT_CONFIRM_S"
@@ -212,10 +212,10 @@ def confirm_timeout() -> float:
     try:
         value = float(raw) if raw else 30.0
     except ValueError:
-        raise InvalidArgumentError(f"{CONFIRM_SETTING}={raw!r} is not a number of seconds; "
+        raise InvalidSettingError(f"{CONFIRM_SETTING}={raw!r} is not a number of seconds; "
                                    "unset it or give e.g. 30") from None
     if not value >= 0 or value == float("inf"):
-        raise InvalidArgumentError(f"{CONFIRM_SETTING}={raw!r} must be a finite number of "
+        raise InvalidSettingError(f"{CONFIRM_SETTING}={raw!r} must be a finite number of "
                                    "seconds >= 0; unset it or give e.g. 30")
     return value
 

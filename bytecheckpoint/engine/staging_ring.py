@@ -27,7 +27,7 @@ import torch
 
 from telemetry import span
 
-from ..errors import InvalidArgumentError, StagingError
+from ..errors import InvalidArgumentError, InvalidSettingError, StagingError
 from ..format.boxes import flat_range_boxes
 from ..runtime.devices import on_device
 from .staging import EVENT_BYTES, Stager, pool, settle_streams
@@ -45,8 +45,10 @@ def staging_cap(value: int | None = None) -> int | None:
         try:
             value = int(raw)
         except ValueError:
-            raise InvalidArgumentError(f"{SETTING} = {raw!r} is not a whole number of bytes: unset it "
-                                       "or give the most host memory a save may stage into") from None
+            value = 0
+        if value <= 0:  # the variable, by name (the argument's message below is for save())
+            raise InvalidSettingError(f"{SETTING} = {raw!r} is not a positive whole number of bytes: "
+                                      "unset it or give the most host memory a save may stage into")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidArgumentError(f"staging_max_bytes = {value!r} is not a positive number of bytes: "
                                    "give the most host memory a save may stage into, or leave it unset")

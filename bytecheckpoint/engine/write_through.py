@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError, StagingError
+from ..errors import InvalidSettingError, StagingError
 from ..format.dtypes import byte_view
 from ..storage import Storage
 from .staging import Stager
@@ -38,7 +38,7 @@ def enabled() -> bool:
     ``0`` keeps the arena; anything else is refused by name (a typo must not pick for you)."""
     raw = os.environ.get(SETTING, "").strip()
     if raw not in ("", "0", "1"):
-        raise InvalidArgumentError(f"{SETTING}={raw!r} must be 1 (write overlapped saves of host "
+        raise InvalidSettingError(f"{SETTING}={raw!r} must be 1 (write overlapped saves of host "
                                    "tensors straight from them) or 0 (copy into the staging arena "
                                    "first); nothing was saved")
     return raw != "0"

@@ -55,7 +55,7 @@ def _default(obj: Any, depth: int) -> msgpack.ExtType:
         # Non-string keys (e.g. optimizer param ids) need their own tag.
         return msgpack.ExtType(_EXT_INTKEY_DICT, _pack([[k, v] for k, v in obj.items()], depth + 1))
     if isinstance(obj, int):
-        return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
+        return msgpack.ExtType(_EXT_BIGINT, _decimal(obj))
     if isinstance(obj, torch.dtype):
         return msgpack.ExtType(_EXT_DTYPE, dtype_name(obj).encode())
     raise UnsupportedStateError(
@@ -63,6 +63,17 @@ def _default(obj: Any, depth: int) -> msgpack.ExtType:
         "supported: None, bool, int, float, str, bytes, list, tuple, dict, torch.Tensor, "
         "numpy arrays"
     )
+
+
+def _decimal(obj: int) -> bytes:
+    """The digits of an int outside msgpack's 64 bits, or of an int subclass (an IntEnum):
+    ``int.__repr__``, as ``str()`` of a subclass may be its name, which no load could read."""
+    try:
+        return int.__repr__(obj).encode()
+    except ValueError:  # past sys.get_int_max_str_digits(): no load could parse it either
+        raise UnsupportedStateError(
+            f"an int of {obj.bit_length()} bits has more decimal digits than Python converts "
+            "(sys.get_int_max_str_digits()); store it as bytes (int.to_bytes)") from None
 
 
 def _pack(obj: Any, depth: int = 0) -> bytes:
@@ -173,7 +184,7 @@ def encode(obj: Any) -> bytes:
         if isinstance(exc, ValueError) and "recursion limit" not in str(exc):
             raise
         raise UnsupportedStateError(
-            "a value in the state nests too deeply to store (over 1000 levels of lists and dicts), "
+            "a value in the state nests too deeply to store (about 1000 levels of lists and dicts), "
             "or holds itself (a list or dict that contains itself); store a flat form") from None
 
 

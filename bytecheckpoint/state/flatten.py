@@ -325,11 +325,20 @@ def _saved_group(key: str, fqns: list[str], shared: dict[str, Any]) -> dict[str,
     return first
 
 
+# Deeper nesting ran into Python's recursion limit here (a raw RecursionError), or at the load.
+_MAX_LEAF_DEPTH = 600
+
+
 def _leaves(value: Any, path: tuple[Any, ...] = (), whole: Callable[[tuple[Any, ...]], bool] | None = None
             ) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """``(path, leaf)`` of a nested state; a path holds the containers' own keys and indexes
     (an int key stays an int, so a load puts the value back under it). ``whole(path)``: the
     value there is one leaf, whatever it holds."""
+    if len(path) > _MAX_LEAF_DEPTH:  # a cycle, or nesting no codec stores: Python's RecursionError
+        raise UnsupportedStateError(
+            f"a value in the state nests more than {_MAX_LEAF_DEPTH} levels of dicts and lists "
+            f"(at {_show(path[:4])}...), or holds itself (a list or dict that contains itself); "
+            "store a flat form")
     if whole is not None and path and whole(path):
         yield path, value
     elif isinstance(value, Mapping):
@@ -610,7 +619,7 @@ def _sharded_by_rank(value: Any) -> bool:
 def _not_too_deep(key: str, merge: Callable[[Any, Any], Any], target: Any, loaded: Any) -> Any:
     """``merge(target, loaded)`` (``into`` or ``like``, which recurse level by level): a value
     nested deeper than Python's recursion limit allows is a named error, not RecursionError
-    (the codec stores plain lists and dicts up to 1000 levels deep)."""
+    (the save walks plain lists and dicts up to ``_MAX_LEAF_DEPTH`` levels deep)."""
     try:
         return merge(target, loaded)
     except RecursionError:

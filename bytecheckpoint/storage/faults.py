@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import PermanentStorageError, TransientStorageError
+from ..errors import InvalidSettingError, PermanentStorageError, TransientStorageError
 from .base import Storage, WrappedWriter, Writer
 from .wrapper import StorageWrapper
 
@@ -88,7 +88,7 @@ class FaultSpec:
                 else:
                     raise ValueError(f"unknown setting {key!r}")
             except ValueError as exc:
-                raise ValueError(f"bad fault spec item {item!r} in {text!r}: {exc}") from None
+                raise InvalidSettingError(f"bad fault spec item {item!r} in {text!r}: {exc}") from None
         return cls(**fields)  # type: ignore[arg-type]
 
     def applies_here(self) -> bool:
