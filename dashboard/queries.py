@@ -7,7 +7,8 @@ with FINAL so redelivered copies count once (see ``telemetry.store``).
 One path can be saved (or loaded) many times: a "latest" checkpoint saved every step, an
 overwrite. Each call is one row of ``checkpoints``, told apart by its ``step`` and ``call``
 (1 for the first call of that step to that path, 2 for the next, ...): every rank's span is
-given to that rank's newest save / load call that started before it (``_CALLS``).
+given to that rank's newest save / load call that started before it (``_CALLS``); a call
+a rank never ended (hung, killed) starts at its first phase span (``CALL_BEGINS``).
 
 Tiering (read by ``tiering_moves``): the cooling service's spans in the same events table.
 
@@ -43,22 +44,59 @@ _SCOPE = """job = {job:String} AND run = {run:String} AND checkpoint = {checkpoi
 _FILTERS = """({job:String} = '' OR job = {job:String}) AND ({run:String} = '' OR run = {run:String})"""
 
 
+# The first phase span of every save / load call (``bytecheckpoint/engine``): a rank's call
+# that never ended has no whole-call span, and its phases begin that call instead.
+CALL_BEGINS: dict[str, str] = {"save": "save.collect", "load": "load.metadata"}
+
+# Every rank's ended calls: their whole-call spans, from start to end.
+_ENDS = """
+SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts AS call_ts, step, event_id,
+       toFloat64(ts) + duration_s AS end_ts,
+       ts + toIntervalMicrosecond(toInt64(ceil(duration_s * 1e6))) AS end_at, toUInt8(1) AS ended
+FROM {events} FINAL WHERE name = checkpoint_op AND {where}
+"""
+
+# Where each rank's calls start: every whole-call span, and every first phase span outside the
+# rank's ended calls (a call it never ended: hung, or killed). Numbered per rank and step in
+# start order, as the alert rules count a rank's calls ("call N"). A load does nothing after
+# its call ends, so an unended load right after an ended one starts where that one ended: its
+# spans before its metadata (the read lease's checks) are its own, not the ended call's.
+_STARTS = """
+SELECT job, run, checkpoint, checkpoint_op, rank_key, call_ts, step,
+       toUInt32(row_number() OVER (PARTITION BY job, run, checkpoint, checkpoint_op, rank_key, step
+                                   ORDER BY call_ts, event_id)) AS call
+FROM (
+    SELECT job, run, checkpoint, checkpoint_op, rank_key, call_ts, step, event_id FROM ({ends})
+    UNION ALL
+    SELECT job, run, checkpoint, checkpoint_op, rank_key,
+           if(checkpoint_op = 'load' AND ended = 1 AND prev_ts < ended_call_ts, end_at, ts), step, event_id
+    FROM (
+        SELECT b.*, w.ended AS ended, w.call_ts AS ended_call_ts, w.end_at AS end_at,
+               lagInFrame(b.ts, 1, toDateTime64(0, 6, 'UTC')) OVER (
+                   PARTITION BY b.job, b.run, b.checkpoint, b.checkpoint_op, b.rank_key
+                   ORDER BY b.ts, b.event_id ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_ts
+        FROM (
+            SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts, step, event_id
+            FROM {events} FINAL WHERE name = {begins} AND {where}
+        ) AS b
+        ASOF LEFT JOIN ({ends}) AS w
+        ON b.job = w.job AND b.run = w.run AND b.checkpoint = w.checkpoint
+           AND b.checkpoint_op = w.checkpoint_op AND b.rank_key = w.rank_key AND b.ts >= w.call_ts
+        WHERE w.ended = 0 OR toFloat64(b.ts) > w.end_ts
+    )
+)
+"""
+
 # Every event of the selected checkpoint paths with the call it belongs to: call_step and call.
-# A span is that rank's newest "save" / "load" call that started at or before it (an async
-# save's background spans come after its call ends), if the span carries that call's step or
-# none (a load's reads before its metadata named the step); else (a rank that never ended its
-# call, so it has no call span) the span's own step, call 1.
+# A span is that rank's newest call that started at or before it (an async save's background
+# spans come after its call ends), if the span carries that call's step or none (a load's
+# reads before its metadata named the step); else the span's own step, call 1.
 _CALLS = """
 SELECT e.*, if(matched, c.step, e.step) AS call_step, if(matched, c.call, 1) AS call
 FROM (
     SELECT *, ifNull(rank, -1) AS rank_key FROM {events} FINAL WHERE {where}
 ) AS e
-ASOF LEFT JOIN (
-    SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts AS call_ts, step,
-           toUInt32(row_number() OVER (PARTITION BY job, run, checkpoint, checkpoint_op, rank_key, step
-                                       ORDER BY ts, event_id)) AS call
-    FROM {events} FINAL WHERE name = checkpoint_op AND {where}
-) AS c
+ASOF LEFT JOIN ({starts}) AS c
 ON e.job = c.job AND e.run = c.run AND e.checkpoint = c.checkpoint AND e.checkpoint_op = c.checkpoint_op
    AND e.rank_key = c.rank_key AND e.ts >= c.call_ts
 """
@@ -67,7 +105,11 @@ _MATCHED = "c.call > 0 AND (e.step IS NULL OR e.step = c.step)"
 
 def _calls(where: str) -> str:
     """``_CALLS`` over the events that ``where`` selects (it may use query parameters)."""
-    body = _CALLS.format(events=EVENTS, where=where).replace("if(matched", f"if({_MATCHED}")
+    cases = ", ".join(f"checkpoint_op = '{op}', '{name}'" for op, name in CALL_BEGINS.items())
+    begins = f"multiIf({cases}, '')"
+    ends = _ENDS.format(events=EVENTS, where=where)
+    starts = _STARTS.format(events=EVENTS, where=where, ends=ends, begins=begins)
+    body = _CALLS.format(events=EVENTS, where=where, starts=starts).replace("if(matched", f"if({_MATCHED}")
     return f"({body})"
 
 
