@@ -26,21 +26,27 @@ def metadata_max_bytes() -> int:
     return value
 
 
-def read_metadata_bytes(storage: Storage, meta_path: str) -> bytes:
+def read_metadata_bytes(storage: Storage, meta_path: str, size: int | None = None) -> bytes:
     """The metadata file's bytes, refused above ``metadata_max_bytes()`` before anything is
-    allocated, and read in bounded chunks (a file that changes size meanwhile is an error)."""
-    size = storage.size(meta_path)
+    allocated, and read in bounded chunks (a file that changes size meanwhile is an error).
+    ``size``: the file's size where the caller just asked it (a listing), saving a request."""
+    if size is None:
+        size = storage.size(meta_path)
     limit = metadata_max_bytes()
     if size > limit:
         raise CorruptCheckpointError(
             f"{storage.url(meta_path)}: the metadata file is {size} bytes, over the limit of {limit} "
             f"({METADATA_MAX_ENV}); the checkpoint is damaged or hostile, or raise the limit"
         )
-    buf = bytearray(size)
+    # One byte more than the size: a file that grew (was replaced) since its size was asked
+    # fills it, instead of being read cut short.
+    buf = bytearray(size + 1)
     view = memoryview(buf)
-    for start in range(0, size, _METADATA_READ_CHUNK):
-        end = min(size, start + _METADATA_READ_CHUNK)
-        if storage.read_into(meta_path, start, view[start:end]) != end - start:
-            raise CorruptCheckpointError(f"{storage.url(meta_path)}: the metadata file shrank while "
+    for start in range(0, size + 1, _METADATA_READ_CHUNK):
+        end = min(size + 1, start + _METADATA_READ_CHUNK)
+        got = storage.read_into(meta_path, start, view[start:end])
+        if got != min(end, size) - start:
+            change = "grew" if start + got > size else "shrank"
+            raise CorruptCheckpointError(f"{storage.url(meta_path)}: the metadata file {change} while "
                                          "it was read; retry, or check what else writes there")
-    return bytes(buf)
+    return bytes(view[:size])

@@ -122,7 +122,7 @@ class Catalog:
         key: tuple = (path, size, *_file_stamp(self._local(meta_path)))
         if key not in self._cache:
             try:
-                raw = read_metadata_bytes(self.storage, meta_path)
+                raw = read_metadata_bytes(self.storage, meta_path, size)  # no second size request
                 meta = CheckpointMetadata.from_bytes(raw, source=self.storage.url(meta_path))
                 self._cache[key] = _Read(meta, size, None, xxhash.xxh3_128_digest(raw))
             except FileNotFoundError:
