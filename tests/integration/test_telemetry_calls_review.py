@@ -7,20 +7,10 @@ import time
 import uuid
 from typing import Any
 
-import pytest
-
 from dashboard import queries as dq
 from telemetry.alerts import Context, Uncommitted, UnfinishedRanks, Window, evaluate
 from telemetry.alerts.engine import RuleSet
-from telemetry.store import connect, ensure_schema, insert_events
-
-
-@pytest.fixture
-def store(chdb_dsn: str):
-    client = connect(chdb_dsn)
-    ensure_schema(client)
-    yield client
-    client.close()
+from telemetry.store import insert_events
 
 
 def _event(rank: int, name: str, ts: float, duration: float, *, job: str = "j", step: int | None = 5,

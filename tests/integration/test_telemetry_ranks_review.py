@@ -9,22 +9,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from dashboard import frames
 from dashboard import queries as dq
 from telemetry.alerts import Context, FailedOps, SlowRank, UnfinishedRanks, Window, evaluate
 from telemetry.alerts.engine import RuleSet, rules_from_config
-from telemetry.store import connect, ensure_schema, insert_events
+from telemetry.store import insert_events
 from tests.support import telemetry_ranks_workloads as tw
-
-
-@pytest.fixture
-def store(chdb_dsn: str):
-    client = connect(chdb_dsn)
-    ensure_schema(client)
-    yield client
-    client.close()
 
 
 def _row(rank: int, phase: str, duration: float, start: float = 1000.0, **kw: Any) -> dict[str, Any]:

@@ -31,14 +31,6 @@ from telemetry.store.schema import SCHEMA_VERSION, VERSION_TABLE
 from tests.support.telemetry_store_reads import event_counts
 
 
-@pytest.fixture
-def store(chdb_dsn: str):
-    client = connect(chdb_dsn)
-    ensure_schema(client)
-    yield client
-    client.close()
-
-
 def _row(rank: int, phase: str, duration: float, **kw: Any) -> dict[str, Any]:
     return {"job": "j", "run": "r", "checkpoint": "/c/step_1", "op": "save", "rank": rank, "phase": phase,
             "step": 1, "spans": 1, "duration_s": duration, "bytes": 0, "errors": 0, "retries": 0,

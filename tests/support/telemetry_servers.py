@@ -102,6 +102,17 @@ def chdb_dsn(tmp_path: Path) -> str:
     return f"chdb://{tmp_path / 'store'}"
 
 
+@pytest.fixture
+def store(chdb_dsn: str) -> Iterator:
+    """A fresh embedded store with the schema, open for the test (a test module may define its own)."""
+    from telemetry.store import connect, ensure_schema
+
+    client = connect(chdb_dsn)
+    ensure_schema(client)
+    yield client
+    client.close()
+
+
 def run_ingester(*args: str, env: dict[str, str] | None = None, timeout: float = 120.0,
                  check: bool = True) -> subprocess.CompletedProcess[str]:
     """``python -m telemetry.ingest ARGS`` in its own process (chdb allows one per store)."""
