@@ -108,7 +108,7 @@ def data_file_name(kind: str, writer: str, tag: str = "") -> str:
     return f"{kind}-{writer}.{tag}.safetensors" if tag else f"{kind}-{writer}.safetensors"
 
 
-def split_checkpoint_path(path: str) -> tuple[str, str]:
+def split_checkpoint_path(path: str, *, saving: bool = False) -> tuple[str, str]:
     path = path.rstrip("/")
     parent, name = posixpath.split(path)
     if not name or name.startswith("."):
@@ -116,6 +116,14 @@ def split_checkpoint_path(path: str) -> tuple[str, str]:
             f"{path!r} cannot be a checkpoint path: give a directory name such as "
             "'checkpoints/step_100' (names starting with '.' are reserved)"
         )
+    tag = next((t for t in (STAGING_TAG, REPLACED_TAG) if t in name), None)
+    if saving and tag is not None:
+        # ".a.staging-b.lock" would read as a staging entry of "a": a save to "a" would delete
+        # this save's lock, staging or the checkpoint it moved aside.
+        raise NotACheckpointError(
+            f"{path!r} cannot be saved to: {tag!r} in a name marks what saves leave beside a "
+            f"checkpoint, and a save to {name.split(tag)[0]!r} would take it for its own; choose "
+            "a name without it")
     return parent, name
 
 
@@ -409,7 +417,7 @@ def begin_save(storage: Storage, path: str, overwrite: bool, save_id: str,
 
     ``lock`` is the caller's save lock on ``path``; without one, one is taken here and held
     until the process ends or ``save_lock.held_by_this_process(...).release()``."""
-    split_checkpoint_path(path)
+    split_checkpoint_path(path, saving=True)
     own = lock is None
     if lock is None:
         lock = save_lock.acquire(storage, path, save_id)

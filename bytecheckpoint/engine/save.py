@@ -823,7 +823,7 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
                 check_save_settings()  # named here, not defaulted where they are read
                 write_slots.check_setting()
                 job.host = host_files.resolve(opts.files_per, opts.host_size, comm.rank, comm.world_size)
-                split_checkpoint_path(path)
+                split_checkpoint_path(path, saving=True)
                 _refuse_process_private(url, storage, comm)
                 _collect(job, state, opts.framework, opts.fqn_map)
             except BaseException as exc:  # a KeyboardInterrupt too: raised after the plan round

@@ -162,6 +162,7 @@ def _open_regular(path: str) -> int:
     return fd
 
 
+WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK
 SLOT_MIN_BYTES = 8 << 20  # a file that grows past this waits for a host write slot
 
 
@@ -172,8 +173,7 @@ class _LocalWriter(Writer):
         self._path = path
         self._fsync = fsync
         self._transfer = transfer
-        # O_NONBLOCK: a FIFO planted at the path fails the open (ENXIO) instead of blocking it.
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o644)
+        self._fd = self._open(path)
         st = os.fstat(self._fd)
         if not stat.S_ISREG(st.st_mode):  # a device or FIFO at the path: never write into it
             os.close(self._fd)
@@ -195,6 +195,10 @@ class _LocalWriter(Writer):
         self._slots_per_process = slots_per_process
         self._slot: write_slots.Slot | None = None
         self.slot_wait_s = 0.0
+
+    def _open(self, path: str) -> int:
+        # O_NONBLOCK: a FIFO planted at the path fails the open (ENXIO) instead of blocking it.
+        return os.open(path, WRITE_FLAGS, 0o644)
 
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
@@ -324,7 +328,9 @@ class LocalStorage(Storage):
                             self.host_writers, self.slots_per_process)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
-        path = self._os_path(path)
+        return self._read_into_os(self._os_path(path), offset, buffer)
+
+    def _read_into_os(self, path: str, offset: int, buffer: memoryview) -> int:
         os.close(_open_regular(path))  # missing or not a file: raises here, before any part runs
         drop = self._drops_reads(len(buffer))
 
@@ -346,9 +352,12 @@ class LocalStorage(Storage):
     def read_into_many(self, path: str, offset: int, buffers: list[memoryview]) -> int:
         # One sequential pass: the kernel's readahead sees one stream, where a read per buffer
         # would open the file again and restart it each time.
+        return self._read_many_os(self._os_path(path), offset, buffers)
+
+    def _read_many_os(self, path: str, offset: int, buffers: list[memoryview]) -> int:
         views = [memoryview(b).cast("B") for b in buffers]
         size = sum(len(v) for v in views)
-        return _read_sequential(self._os_path(path), offset, views, self._drops_reads(size))
+        return _read_sequential(path, offset, views, self._drops_reads(size))
 
     def _drops_reads(self, size: int) -> bool:
         # Small reads (metadata, headers) may well be read again; tensor bytes are not.
