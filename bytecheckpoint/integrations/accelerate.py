@@ -29,6 +29,8 @@ from typing import Any
 
 import bytecheckpoint as bcp
 from bytecheckpoint.commit.integrity import read_metadata, resolve
+from bytecheckpoint.commit.save_lock import LOCK_SUFFIX, STAGING_TAG
+from bytecheckpoint.engine.async_save import wait_pending
 from bytecheckpoint.errors import CorruptCheckpointError, InvalidArgumentError, MissingKeysError
 
 from .rng import KeptRNG
@@ -217,9 +219,9 @@ def load_state(accelerator: Any, path: str, **load_kwargs: Any) -> int | None:
     To continue mid-epoch, skip the batches already seen with :func:`skip_first_batches`
     (``skip_first_batches(accelerator, loader, step % len(loader))``): the epoch's order is
     restored, and so is the RNG once the loader starts."""
+    wait_pending()  # an async save of this process commits first: it may be the newest
     target = str(path)
-    empty = not os.path.exists(target) or (os.path.isdir(target) and not os.listdir(target))
-    if "://" not in target and empty:
+    if "://" not in target and _holds_nothing(target):
         return None  # fresh start: one code path serves fresh and resumed runs
     state = accelerator_state(accelerator)
     if load_kwargs.get("strict", True):
@@ -227,6 +229,15 @@ def load_state(accelerator: Any, path: str, **load_kwargs: Any) -> int | None:
     step = bcp.load(target, state, **load_kwargs).step
     _RESUMED[accelerator] = state["rng"]
     return step
+
+
+def _holds_nothing(target: str) -> bool:
+    """A local path with no checkpoint yet: missing, empty, or holding only what a first save
+    killed before its commit left (its staging directory, owner record and lock), which the next
+    save clears. Anything else (a checkpoint moved aside by an overwrite...) goes to ``bcp.load``."""
+    if not os.path.isdir(target):
+        return not os.path.exists(target)
+    return all(STAGING_TAG in n or n.endswith(LOCK_SUFFIX) for n in os.listdir(target))
 
 
 def _check_nothing_left_out(target: str, state: dict[str, Any]) -> str:

@@ -22,18 +22,21 @@ optimizer state, which is twice the model for Adam) and the callback does the re
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import bytecheckpoint as bcp
-from bytecheckpoint.errors import MissingKeysError, NotACheckpointError
+from bytecheckpoint.errors import CheckpointError, MissingKeysError, NotACheckpointError
 
 from .rng import KeptRNG
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_utils import rotate_checkpoints
 except ImportError as exc:  # the extra is not installed
     raise ImportError("bytecheckpoint.integrations.hf_trainer needs transformers: "
                       "pip install 'bytecheckpoint[transformers]' (transformers 5)") from exc
@@ -56,6 +59,7 @@ class BytecheckpointCallback(TrainerCallback):
         self.async_save = async_save
         self.manager: Any = None
         self._rng: KeptRNG | None = None  # to put back at the first step of a mid-epoch resume
+        self._total_limit: int | None = None  # the Trainer's save_total_limit, applied here
 
     def _manager(self, args: Any) -> Any:
         if self.manager is None:
@@ -81,21 +85,45 @@ class BytecheckpointCallback(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                 lr_scheduler: Any = None, **kwargs: Any) -> None:
         saved = self._state(model, optimizer, lr_scheduler, bcp.RNGState())
-        self._manager(args).save(state.global_step, saved, force=True)
+        with self._ending_on_error(args):
+            self._manager(args).save(state.global_step, saved, force=True)
+        self._rotate(args, state, in_flight=self.async_save)
+
+    def _take_over_rotation(self, args: Any) -> None:
+        """The Trainer deletes its older ``checkpoint-<N>`` folders (``save_total_limit``) while
+        saving, before ``on_save``: had our save of that step failed or been killed, the newest
+        folder would lack our state and the older ones, which have it, would be gone (nothing to
+        resume). So the callback rotates them itself, once its save has committed."""
+        limit = args.save_total_limit
+        if limit is not None and limit > 0:
+            self._total_limit, args.save_total_limit = limit, None
+
+    def _rotate(self, args: Any, state: Any, *, in_flight: bool) -> None:
+        if self._total_limit is None or not args.should_save:
+            return
+        # A save still in flight has not committed: keep one folder more, the one before it.
+        rotate_checkpoints(output_dir=args.output_dir, save_total_limit=self._total_limit + int(in_flight),
+                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
+        if self.manager is not None:
+            self._end(args)  # an earlier train() of this callback stopped on an error
+        self._take_over_rotation(args)
         if state.global_step == 0:
             return  # a fresh run (the Trainer resumed nothing)
-        manager = self._manager(args)
         rng = KeptRNG()
-        try:
-            _restore(manager, self._state(model, optimizer, lr_scheduler, rng), state.global_step)
-        except NotACheckpointError as exc:
-            raise NotACheckpointError(
-                f"the Trainer resumed at step {state.global_step} but {manager.url} has no bytecheckpoint "
-                f"checkpoint of that step ({exc}); resume from a checkpoint saved with this callback, "
-                "or drop the callback to resume from the Trainer's own files") from None
+        with self._ending_on_error(args):
+            manager = self._manager(args)
+            try:
+                _restore(manager, self._state(model, optimizer, lr_scheduler, rng), state.global_step)
+            except NotACheckpointError as exc:
+                raise NotACheckpointError(
+                    f"the Trainer resumed at step {state.global_step} but {manager.url} has no "
+                    f"bytecheckpoint checkpoint of that step ({exc}); resume from a checkpoint saved with "
+                    "this callback"
+                    f"{_resumable(manager, args.output_dir, state.global_step)}, or drop the callback to "
+                    "resume from the Trainer's own files") from None
         # The Trainer skips the batches of the epoch already seen, which draws from the RNG,
         # then sets the RNG (its own resume does the same); at an epoch boundary it skips nothing.
         mid_epoch = state.epoch is not None and not math.isclose(state.epoch, round(state.epoch))
@@ -107,11 +135,46 @@ class BytecheckpointCallback(TrainerCallback):
             rng.restore_again()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.manager is not None:
-            try:
+        try:
+            if self.manager is not None:
                 self.manager.close()  # the save in flight, retention
-            finally:
-                self.manager = None
+            self._rotate(args, state, in_flight=False)
+        finally:
+            self._end(args)
+
+    def _end(self, args: Any) -> None:
+        """This train() is over: free the root (another Trainer of this process may use it) and
+        give the Trainer its ``save_total_limit`` back."""
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            try:
+                manager.close()  # a save still in flight commits, or its error is named here
+            except Exception as exc:  # noqa: BLE001 - the error that ended train() is raised already
+                warnings.warn(f"{manager.url}: {exc}", RuntimeWarning, stacklevel=2)
+        if self._total_limit is not None:
+            args.save_total_limit, self._total_limit = self._total_limit, None
+
+    @contextlib.contextmanager
+    def _ending_on_error(self, args: Any) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self._end(args)  # train() stops with this error: on_train_end never comes
+            raise
+
+
+def _resumable(manager: Any, output_dir: str, step: int) -> str:
+    """The Trainer folder of the newest step before ``step`` that the callback committed (a save
+    that failed or was killed leaves the Trainer's folder of its step without our state)."""
+    try:
+        committed = manager.steps()
+    except (CheckpointError, OSError):
+        return ""  # the error being raised names the step; this is only a hint
+    for c in reversed(committed):
+        folder = os.path.join(output_dir, f"checkpoint-{c.step}")
+        if c.step is not None and c.step < step and os.path.isdir(folder):
+            return f" (the newest: resume_from_checkpoint={folder!r})"
+    return ""
 
 
 def _restore(manager: Any, saved: dict[str, Any], step: int) -> None:
