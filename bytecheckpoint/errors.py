@@ -93,7 +93,11 @@ class StorageError(CheckpointError):
 
 
 class TransientStorageError(StorageError):
-    """A storage operation failed in a way that may succeed on retry (network, throttling)."""
+    """A storage operation failed in a way that may succeed on retry (network, throttling).
+    ``server_busy``: the server asked for fewer requests (S3's SlowDown, a 503), so retries wait
+    longer."""
+
+    server_busy: bool = False
 
 
 class PermanentStorageError(StorageError):

@@ -9,6 +9,7 @@ transient and turns :class:`RetrySettings` into tenacity's stop and wait strateg
 from __future__ import annotations
 
 import errno
+import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -29,6 +30,14 @@ _PERMANENT = (
     PermanentStorageError, FileNotFoundError, FileExistsError, IsADirectoryError,
     NotADirectoryError, PermissionError, ValueError, TypeError, EOFError,
 )
+
+
+# A server that says it is busy (S3's SlowDown, a 503) is waited for longer than a dropped
+# connection: what clears it is load draining off the server, which takes seconds, and a
+# checkpoint burst from many ranks is what causes it. A busy marker is set by the backend
+# (``TransientStorageError.server_busy``).
+BUSY_BASE_S = 0.5
+BUSY_MAX_S = 20.0
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -71,10 +80,21 @@ def call(
 
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_attempt(policy.attempts) | tenacity.stop_before_delay(policy.deadline_s),
-        wait=tenacity.wait_random_exponential(multiplier=policy.base_s, max=policy.max_s),
+        wait=lambda state: backoff_s(policy, state.attempt_number,
+                                     state.outcome.exception() if state.outcome else None),
         retry=tenacity.retry_if_exception(is_transient),
         before_sleep=before_sleep,
         sleep=sleep,
         reraise=True,
     )
     return retrying(attempt), attempts
+
+
+def backoff_s(policy: RetrySettings, attempt: int, exc: BaseException | None) -> float:
+    """The wait after failed attempt ``attempt``: uniform in [0, min(cap, base * 2**(attempt-1))],
+    with the policy's base and cap, or at least ``BUSY_BASE_S`` / ``BUSY_MAX_S`` when the server
+    said it was busy."""
+    base, cap = policy.base_s, policy.max_s
+    if getattr(exc, "server_busy", False):
+        base, cap = max(base, BUSY_BASE_S), max(cap, BUSY_MAX_S)
+    return random.uniform(0, min(cap, base * 2 ** (attempt - 1)))

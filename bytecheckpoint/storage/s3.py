@@ -27,10 +27,17 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
-from ..errors import InvalidStorageURLError, PermanentStorageError, StorageError, TransientStorageError
+from ..errors import (
+    InvalidStorageSettingError,
+    InvalidStorageURLError,
+    PermanentStorageError,
+    StorageError,
+    TransientStorageError,
+)
 from . import parallel
 from .base import COMMIT_MARKER_NAME, CommitMode, Storage, Writer
 from .config import RetrySettings, S3Settings, TransferSettings, settings
+from .redact import redact
 
 MIN_PART_BYTES = 5 << 20
 
@@ -47,13 +54,21 @@ _PERMANENT = {
 }
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 _FORBIDDEN = re.compile(r"HTTP response code:?\s*403|\b403\b.*Forbidden")
+# A server asking for fewer requests (throttling) or briefly failing: waited for longer
+# (``retry.BUSY_MAX_S``). A HEAD has no body, so its 503 reads "AWS Error UNKNOWN (HTTP status 503)".
+_BUSY = re.compile(r"SLOW_DOWN|SlowDown|THROTTL|Throttl|REQUEST_LIMIT_EXCEEDED|"
+                   r"HTTP (?:status|response code):?\s*(?:429|500|502|503|504)\b")
 
 
-def _translate(exc: OSError, what: str) -> Exception:
+def _translate(exc: OSError, what: str, endpoint: str | None = None) -> Exception:
     """Map a pyarrow error to a permanent or transient storage error with a plain message."""
     if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError)):
         return exc
     text = str(exc)
+    if endpoint and "NETWORK_CONNECTION" in text:  # refused, unresolvable, timed out
+        return TransientStorageError(redact(
+            f"{what}: the connection to the S3 endpoint {endpoint} failed ({text}); check "
+            "BCP_S3_ENDPOINT / AWS_ENDPOINT_URL, that the server is up and that this host can reach it"))
     for name, advice in _PERMANENT.items():
         if name in text:
             return PermanentStorageError(f"{what}: {advice} ({text})")
@@ -61,15 +76,17 @@ def _translate(exc: OSError, what: str) -> Exception:
         return PermanentStorageError(f"{what}: {_PERMANENT['ACCESS_DENIED']} ({text})")
     if "allow_bucket_creation" in text or "Bucket" in text and "not found" in text:
         return PermanentStorageError(f"{what}: {_PERMANENT['NO_SUCH_BUCKET']} ({text})")
-    return TransientStorageError(f"{what}: {text}")
+    error = TransientStorageError(f"{what}: {text}")
+    error.server_busy = bool(_BUSY.search(text))
+    return error
 
 
 @contextlib.contextmanager
-def _errors(what: str) -> Iterator[None]:
+def _errors(what: str, endpoint: str | None = None) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        translated = _translate(exc, what)
+        translated = _translate(exc, what, endpoint)
         if translated is exc:
             raise
         raise translated from exc
@@ -80,17 +97,28 @@ def _endpoint(raw: str) -> tuple[str, str]:
     if "://" not in raw:
         return raw, "https"
     parts = urlsplit(raw)
+    # The SDK would take "user:pass@host" for a host named "user" (a retried, misleading
+    # "could not resolve host"), and would drop a path without a word.
+    if "@" in parts.netloc or parts.scheme not in ("http", "https") or parts.path.strip("/"):
+        raise InvalidStorageSettingError(redact(
+            f"S3 endpoint {raw!r} is not valid: give scheme://host[:port] with scheme http or https "
+            "(BCP_S3_ENDPOINT / AWS_ENDPOINT_URL / [s3].endpoint), no path, and the keys in "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"))
     return parts.netloc, parts.scheme
 
 
-@functools.lru_cache(maxsize=4)
-def _filesystem(s3: S3Settings, retry: RetrySettings) -> pafs.S3FileSystem:
+@functools.lru_cache(maxsize=8)
+def _filesystem(s3: S3Settings, retry: RetrySettings, *, streaming: bool = False) -> pafs.S3FileSystem:
+    """The client for whole operations (``streaming=False``): one HTTP attempt each, since the
+    storage's own retry loop (BCP_STORAGE_RETRY_*) retries them; SDK retries under it multiplied
+    the two (6 x 6 attempts, ~90 s to report an unreachable endpoint). The client for streamed
+    multipart uploads (``streaming=True``) keeps the SDK's retries: a part cannot be replayed
+    from here once the caller's buffer is gone."""
     kwargs: dict[str, object] = {
         "region": s3.region,
         "connect_timeout": s3.connect_timeout_s,
         "request_timeout": s3.request_timeout_s,
-        # Parts of a multipart upload are retried inside the SDK (see module docstring).
-        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=retry.attempts),
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=retry.attempts if streaming else 1),
     }
     if s3.endpoint:
         kwargs["endpoint_override"], kwargs["scheme"] = _endpoint(s3.endpoint)
@@ -132,9 +160,9 @@ class _S3Writer(Writer):
     def _send(self, part: bytes) -> None:
         what = f"upload of {self._storage.url(self._path)}"
         try:
-            with _errors(what):
+            with self._storage.errors(what):
                 if self._stream is None:
-                    self._stream = self._storage.fs.open_output_stream(self._path)
+                    self._stream = self._storage.stream_fs.open_output_stream(self._path)
                 self._stream.write(part)  # uploaded as one part in the background
                 self._in_flight += 1
                 if self._in_flight >= self._storage.transfer.threads:
@@ -163,11 +191,11 @@ class _S3Writer(Writer):
             # Small file: one PUT of the whole buffer; a failed attempt can be retried as is.
             # Written from the buffer itself, no copy between open and write: a stream dropped
             # by an interrupt is completed with what it holds (see _streamed).
-            with _errors(what), self._storage.fs.open_output_stream(self._path) as stream:
+            with self._storage.errors(what), self._storage.fs.open_output_stream(self._path) as stream:
                 stream.write(self._buffer)
             return self._size
         try:
-            with _errors(what):
+            with self._storage.errors(what):
                 if self._buffer:
                     self._stream.write(bytes(self._buffer))
                     self._buffer = bytearray()
@@ -194,8 +222,16 @@ class S3Storage(Storage):
                  retry: RetrySettings | None = None) -> None:
         conf = settings()
         self.transfer = transfer or conf.transfer
-        with _errors("S3 client setup"):
-            self.fs = _filesystem(s3 or conf.s3, retry or conf.retry)
+        s3, retry = s3 or conf.s3, retry or conf.retry
+        self.endpoint = s3.endpoint or "AWS"
+        self._buckets: set[str] = set()  # known to exist (_check_bucket)
+        with self.errors("S3 client setup"):
+            self.fs = _filesystem(s3, retry)
+            self.stream_fs = _filesystem(s3, retry, streaming=True)
+
+    def errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Translate pyarrow's errors; an unreachable endpoint is named in the message."""
+        return _errors(what, self.endpoint)
 
     def check_path(self, path: str) -> None:
         bucket = path.split("/", 1)[0]
@@ -224,11 +260,11 @@ class S3Storage(Storage):
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         key = self._key(path)
-        with _errors(f"read of {self.url(key)}"):
+        with self.errors(f"read of {self.url(key)}"):
             handle = self.fs.open_input_file(key)
 
         def read_part(off: int, view: memoryview) -> int:
-            with _errors(f"read of {self.url(key)} at {off}"):
+            with self.errors(f"read of {self.url(key)} at {off}"):
                 data = handle.read_at(len(view), off)
             view[: len(data)] = memoryview(data)
             return len(data)
@@ -241,7 +277,7 @@ class S3Storage(Storage):
             handle.close()
 
     def _info(self, key: str) -> pafs.FileInfo:
-        with _errors(f"lookup of {self.url(key)}"):
+        with self.errors(f"lookup of {self.url(key)}"):
             return self.fs.get_file_info(key)
 
     def size(self, path: str) -> int:
@@ -255,16 +291,35 @@ class S3Storage(Storage):
 
     def list_dir(self, path: str) -> list[str]:
         key = self._key(path)
-        with _errors(f"listing of {self.url(key)}"):
+        with self.errors(f"listing of {self.url(key)}"):
             infos = self.fs.get_file_info(pafs.FileSelector(key, allow_not_found=True))
         return sorted(i.base_name for i in infos)
 
     def is_dir(self, path: str) -> bool:
-        return self._info(self._key(path)).type == pafs.FileType.Directory
+        key = self._key(path)
+        info = self._info(key)
+        if info.type == pafs.FileType.NotFound:
+            self._check_bucket(key)
+        return info.type == pafs.FileType.Directory
+
+    def _check_bucket(self, key: str) -> None:
+        """Raise if ``key``'s bucket does not exist: a load from a mistyped bucket said only "no
+        such checkpoint". Asked where a path was not found (``is_dir`` is the question a load's
+        diagnosis and ``exists`` end with), once per bucket that exists; a failed check says nothing."""
+        bucket = key.split("/", 1)[0]
+        if bucket in self._buckets:
+            return
+        try:
+            found = self.fs.get_file_info(bucket).type != pafs.FileType.NotFound
+        except OSError:
+            return
+        if not found:
+            raise PermanentStorageError(f"{self.url(key)}: {_PERMANENT['NO_SUCH_BUCKET']}")
+        self._buckets.add(bucket)
 
     def makedirs(self, path: str) -> None:
         key = self._key(path)
-        with _errors(f"creating {self.url(key)}"):
+        with self.errors(f"creating {self.url(key)}"):
             self.fs.create_dir(key, recursive=True)
 
     def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
@@ -275,13 +330,13 @@ class S3Storage(Storage):
             raise StorageError(f"{self.url(src)}: only single objects can be renamed on S3")
         if not overwrite and self._info(dst).type != pafs.FileType.NotFound:
             raise FileExistsError(self.url(dst))
-        with _errors(f"rename of {self.url(src)}"):
+        with self.errors(f"rename of {self.url(src)}"):
             self.fs.move(src, dst)
 
     def delete(self, path: str) -> None:
         key = self._key(path)
         info = self._info(key)
-        with _errors(f"delete of {self.url(key)}"):
+        with self.errors(f"delete of {self.url(key)}"):
             if info.type == pafs.FileType.Directory:
                 self.fs.delete_dir(key)
             elif info.type == pafs.FileType.File:
