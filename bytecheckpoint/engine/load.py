@@ -437,10 +437,15 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
     object_keys = {o.key for o in meta.objects}
     saved_keys = {tm.key for tm in meta.tensors} | object_keys
     tensor_roots = {tm.key.split("/", 1)[0] for tm in meta.tensors}
+    by_parent: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+    for tm in meta.tensors:
+        parent, _, name = tm.key.rpartition("/")
+        by_parent.setdefault(parent, {})[name] = (tuple(tm.shape), dtype_from_name(tm.dtype))
     flat = flatten_state(
         state, for_load=True, fqn_map=fqn_map,
         has_saved_state=lambda prefix: any(k.startswith(prefix) for k in saved_keys),
         saved_as_tensors=lambda key: key in tensor_roots and key not in object_keys,
+        saved_tensors=lambda prefix: by_parent.get(prefix, {}),
     )
     stamp_topology(flat.tensors.values())
     planner = get_planner(framework, flat, comm)
@@ -567,7 +572,8 @@ def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Commu
                 ) -> tuple[list[str], list[str]]:
     """Missing and unexpected keys; under ``strict`` every rank raises if any rank has some."""
     meta, flat = plan.meta, plan.flat
-    saved = {t.key for t in meta.tensors} | {o.key for o in meta.objects}
+    objects = {o.key for o in meta.objects}
+    saved = {t.key for t in meta.tensors} | objects
     wanted_anywhere = set().union(*(v["wanted"] for v in everyone))
     groups = set().union(*(v["groups"] for v in everyone))
     prefixes = [p for v in everyone for p in v["prefixes"]]
@@ -582,8 +588,10 @@ def _check_keys(plan: _LocalPlan, everyone: list[Any], strict: bool, comm: Commu
         return (wanted - saved) | {k for k in wanted & per_rank if (k, source) not in have}
 
     missing = sorted(missing_on(comm.rank, _wanted(flat)))
+    # Prefixes take objects the state cannot list (a float step); a saved tensor nothing
+    # loads into is unexpected (it was dropped silently: optimizer state of no target).
     unexpected = sorted(k for k in saved - wanted_anywhere
-                        if k.split("/", 1)[0] in groups and not _accepted(prefixes, k))
+                        if k.split("/", 1)[0] in groups and not (k in objects and _accepted(prefixes, k)))
     if not strict:
         return missing, unexpected
     url = plan.storage.url(plan.path)

@@ -10,6 +10,7 @@ those of modules and optimizers are the same on every rank and saved once, anyth
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,8 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 FqnMap = Callable[[str], str]
+# Loads: the tensors saved directly under a key prefix, by name: {name: (shape, dtype)}.
+SavedTensors = Callable[[str], Mapping[str, tuple[tuple[int, ...], torch.dtype]]]
 # What an optimizer state tensor of a parameter becomes under one FQN (a view or a shard).
 StateView = Callable[[torch.Tensor], "torch.Tensor | TensorShard"]
 
@@ -160,31 +163,52 @@ def _module_for(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module],
     )
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create an optimizer's state tensors (so a load can fill them in place).
+def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None = None) -> None:
+    """Create an optimizer's state tensors (so a load can fill them in place): of ``params``,
+    or, when not given, of every parameter that requires grad if the optimizer has no state.
 
-    One step with zero gradients and a zero learning rate allocates every state tensor
-    without changing a parameter; the loaded values then overwrite all of it.
+    One step with zero gradients and a zero learning rate allocates the state tensors
+    without changing a parameter; the loaded values then overwrite all of it. The other
+    parameters get no gradient for that step, which optimizers skip: their state is kept.
     """
-    if optimizer.state:
+    if params is None:
+        if optimizer.state:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if not params:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    saved_grads = [p.grad for p in params]
+    wanted = {id(p) for p in params}
+    everyone = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_grads = [p.grad for p in everyone]
     lrs = []
     for g in optimizer.param_groups:
         lrs.append(g.get("lr"))
         if "lr" in g:
             g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
     try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
+        for p in everyone:
+            p.grad = torch.zeros_like(p) if id(p) in wanted else None
+        optimizer.step(*_step_args(optimizer))
     finally:
         for g, lr in zip(optimizer.param_groups, lrs):
             if lr is not None:
                 g["lr"] = lr
-        for p, grad in zip(params, saved_grads):
+        for p, grad in zip(everyone, saved_grads):
             p.grad = grad
+
+
+def _zero_loss() -> float:
+    return 0.0
+
+
+def _step_args(optimizer: torch.optim.Optimizer) -> tuple[Callable[[], float], ...]:
+    """A closure for optimizers whose step requires one (LBFGS: a zero loss with zero
+    gradients ends its step at once); none for the others."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: called as optimizers usually are
+        return ()
+    return (_zero_loss,) if closure is not None and closure.default is inspect.Parameter.empty else ()
 
 
 def _flatten_module(key: str, module: nn.Module, flat: FlatState, fqn_map: FqnMap, for_load: bool) -> None:
@@ -244,7 +268,7 @@ def _same_encoding(a: Any, b: Any) -> bool:
 
 def _flatten_optimizer(
     key: str, optimizer: torch.optim.Optimizer, module: nn.Module, flat: FlatState, for_load: bool,
-    has_saved_state: Callable[[str], bool], fqn_map: FqnMap,
+    has_saved_state: Callable[[str], bool], fqn_map: FqnMap, saved_tensors: SavedTensors,
 ) -> None:
     """Optimizer state keyed by parameter FQN: ``<key>/state/<fqn>/<name>`` for state and
     ``<key>/param_groups/<fqn>`` for the hyperparameters of the parameter's group. Both are
@@ -255,13 +279,20 @@ def _flatten_optimizer(
     unsaved: set[int] = set()  # parameters given state only by init_optimizer_state, none saved
     if for_load and has_saved_state(f"{key}/state/"):
         had = {id(k) for k in optimizer.state}
-        init_optimizer_state(optimizer)
+        saved = {id(p) for p in params if id(p) not in had and any(
+            has_saved_state(f"{key}/state/{fqn}/") for fqn, _ in views[id(p)])}
+        # Every parameter with saved state needs state to fill, not only those of an optimizer
+        # with none yet: one that has not stepped since (a frozen parameter, one without a
+        # gradient yet in this process) had its saved state left out of the load, silently.
+        try:
+            init_optimizer_state(optimizer, [p for p in params if id(p) in saved])
+        except Exception:  # a step it cannot take (SparseAdam wants sparse gradients): the saved
+            pass  # state of plain parameters loads into new tensors (_saved_only_state)
         # A parameter that had no gradient yet when the checkpoint was saved (an unused branch,
         # an expert that got no tokens, a layer unfrozen later) has no state in it. The zero
         # step's state (step 1, zero moments) was then reported missing, or kept under
         # strict=False, and training went on with a bias correction the run never had.
-        unsaved = {id(p) for p in params if id(p) not in had and not any(
-            has_saved_state(f"{key}/state/{fqn}/") for fqn, _ in views[id(p)])}
+        unsaved = {id(p) for p in params if id(p) not in had and id(p) not in saved}
     # By id, not by the parameter: hashing a DTensor goes through its __torch_function__
     # (about 25 us each, every save); the state's keys are the parameters themselves.
     state_of = {id(k): v for k, v in optimizer.state.items() if id(k) not in unsaved}
@@ -273,6 +304,7 @@ def _flatten_optimizer(
                     flat.tensors[entry] = view(value)
                 elif not for_load:
                     flat.shared_objects[entry] = value
+    added = _saved_only_state(key, params, views, flat, saved_tensors) if for_load else {}
     flat.accept_prefixes.append(f"{key}/state/")
     for g in optimizer.param_groups:
         hparams = {k: v for k, v in g.items() if k != "params"}
@@ -300,6 +332,7 @@ def _flatten_optimizer(
         state: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(params):
             entries = {} if id(p) in unsaved else dict(optimizer.state.get(p, {}))
+            entries.update(added.get(id(p), {}))
             for fqn, _ in views[id(p)]:
                 entries.update(by_fqn.get(fqn, {}))
             if entries:
@@ -307,6 +340,26 @@ def _flatten_optimizer(
         optimizer.load_state_dict({"state": state, "param_groups": new_groups})
 
     flat.appliers.append(apply)
+
+
+def _saved_only_state(key: str, params: list[torch.Tensor], views: dict[int, list[tuple[str, StateView]]],
+                      flat: FlatState, saved_tensors: SavedTensors) -> dict[int, dict[str, torch.Tensor]]:
+    """Load targets for saved state tensors that this optimizer's zero step does not create
+    (LBFGS's search direction, ``max_exp_avg_sq`` saved with amsgrad=True), as torch's
+    ``load_state_dict`` takes them; they were left out, silently. Plain parameters only: the
+    state of a sharded one must be sharded like it (reported as unexpected keys instead)."""
+    added: dict[int, dict[str, torch.Tensor]] = {}
+    for p in params:
+        if len(views[id(p)]) != 1 or type(p) not in (torch.Tensor, nn.Parameter):
+            continue
+        fqn, view = views[id(p)][0]
+        if view is not _same:
+            continue
+        for name, (shape, dtype) in saved_tensors(f"{key}/state/{fqn}").items():
+            entry = f"{key}/state/{fqn}/{name}"
+            if entry not in flat.tensors:  # on the CPU: load_state_dict moves it as it does others
+                flat.tensors[entry] = added.setdefault(id(p), {})[name] = torch.empty(shape, dtype=dtype)
+    return added
 
 
 def _saved_group(key: str, fqns: list[str], shared: dict[str, Any]) -> dict[str, Any] | None:
@@ -650,6 +703,41 @@ def _flatten_object(key: str, value: Any, state: MutableMapping[str, Any], flat:
     flat.appliers.append(apply)
 
 
+def _scheduler_checks(key: str, scheduler: Any) -> list[Callable[[dict[str, Any], dict[str, Any]], None]]:
+    """Appliers refusing a scheduler whose per-group state (``base_lrs``, by group position)
+    no longer lines up with its optimizer's groups, which load by parameter name: built in
+    another order or number, each group was scheduled from another group's learning rate,
+    silently. Schedulers (and those a ``SequentialLR`` chains) whose ``base_lrs`` are their
+    groups' ``initial_lr`` when built, as every torch scheduler's are, and are loaded."""
+    checks = []
+    for part in [scheduler, *getattr(scheduler, "_schedulers", [])]:
+        if not _base_lrs_match(part):
+            continue  # its own base learning rates (CyclicLR's after another scheduler's)
+
+        def check(_shared: dict[str, Any], rank: dict[str, Any], part: Any = part) -> None:
+            if key in rank and not _base_lrs_match(part):
+                raise StateMismatchError(
+                    f"state[{key!r}] was saved for {len(part.base_lrs)} parameter groups whose initial "
+                    "learning rates, in group order, are not those of its optimizer's groups as loaded: "
+                    "the optimizer's groups were built in another order or number. Build them as when "
+                    f"saved, or leave {key!r} out of the state and rebuild the scheduler")
+
+        checks.append(check)
+    return checks
+
+
+def _base_lrs_match(scheduler: Any) -> bool:
+    base = getattr(scheduler, "base_lrs", None)
+    groups = scheduler.optimizer.param_groups
+    if not isinstance(base, list):
+        return True
+    try:
+        return len(base) == len(groups) and all(float(b) == float(g["initial_lr"])
+                                                for b, g in zip(base, groups))
+    except (KeyError, TypeError, ValueError, RuntimeError):  # no initial_lr, or not a number
+        return False
+
+
 def flatten_state(
     state: MutableMapping[str, Any],
     *,
@@ -657,13 +745,15 @@ def flatten_state(
     has_saved_state: Callable[[str], bool] = lambda prefix: True,
     fqn_map: FqnMap | None = None,
     saved_as_tensors: Callable[[str], bool] = lambda key: False,
+    saved_tensors: SavedTensors = lambda prefix: {},
 ) -> FlatState:
     """Flatten ``state`` (modules, optimizers, sharded dicts, stateful objects, plain values).
 
     ``fqn_map`` renames this rank's parameter FQNs to global ones (pipeline stages that
     number their layers from zero, as Megatron does). ``saved_as_tensors(key)`` (loads): the
     checkpoint holds ``state[key]`` as tensors, not as a packed value, so a dict there is a
-    dict of load targets (``_flatten_tensor_dict``).
+    dict of load targets (``_flatten_tensor_dict``). ``saved_tensors(prefix)`` (loads): the
+    checkpoint's tensors directly under ``prefix``, by name, with their shapes and dtypes.
     """
     fqn_map = fqn_map or _identity
     if not isinstance(state, MutableMapping):
@@ -680,7 +770,7 @@ def flatten_state(
             _flatten_module(key, value, flat, fqn_map, for_load)
         elif isinstance(value, torch.optim.Optimizer):
             module = _module_for(value, modules, key)
-            _flatten_optimizer(key, value, module, flat, for_load, has_saved_state, fqn_map)
+            _flatten_optimizer(key, value, module, flat, for_load, has_saved_state, fqn_map, saved_tensors)
         elif is_sharded_dict(value):
             _flatten_sharded_dict(key, value, flat)
         elif is_reshardable(value):
@@ -699,6 +789,11 @@ def flatten_state(
             _flatten_stateful_tensors(key, value, flat)
         else:
             _flatten_object(key, value, state, flat)
+    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)] if for_load else []
+    for key, value in state.items():  # after every other applier: the optimizer's groups loaded
+        if (isinstance(value, torch.optim.lr_scheduler.LRScheduler) and key in flat.per_rank_stateful
+                and any(getattr(value, "optimizer", None) is o for o in optimizers)):
+            flat.appliers.extend(_scheduler_checks(key, value))
     for name, tensor in flat.tensors.items():
         if isinstance(tensor, torch.Tensor):
             try:
