@@ -31,7 +31,13 @@ def read_metadata_bytes(storage: Storage, meta_path: str, size: int | None = Non
     allocated, and read in bounded chunks (a file that changes size meanwhile is an error).
     ``size``: the file's size where the caller just asked it (a listing), saving a request."""
     if size is None:
-        size = storage.size(meta_path)
+        try:
+            size = storage.size(meta_path)
+        except (IsADirectoryError, NotADirectoryError):
+            # Its name is there, so this is no "not a checkpoint": something replaced the file.
+            raise CorruptCheckpointError(
+                f"{storage.url(meta_path)}: the metadata file is a directory (or lies under a file), "
+                "not a file; the checkpoint is damaged: restore it from a copy, or load another") from None
     limit = metadata_max_bytes()
     if size > limit:
         raise CorruptCheckpointError(
