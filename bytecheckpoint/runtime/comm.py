@@ -436,6 +436,8 @@ def raise_failures(outcomes: list[Outcome], what: str, local_error: BaseExceptio
         # summary of the ranks that failed themselves says why they did.
         own = summarize_failures([o if o.error_type != "RankFailedError" else Outcome(value=True)
                                   for o in outcomes])
+        if own is None:
+            raise local_error  # every failure is one already summed up: not wrapped in itself again
         raise RankFailedError(f"{what} {(own or summary).error}", (own or summary).value) from local_error
     # A rank that failed itself raises its own, more specific error.
     if isinstance(local_error, CheckpointError):
