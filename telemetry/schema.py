@@ -55,7 +55,7 @@ PHASES: tuple[str, ...] = SAVE_PHASES + LOAD_PHASES
 # the io_ops table as well as events.
 IO_SPAN_PREFIX = "storage."
 IO_OPS: tuple[str, ...] = (
-    "write", "read", "size", "list", "exists", "rename", "delete", "makedirs", "concat",
+    "write", "read", "size", "list", "exists", "rename", "exchange", "delete", "makedirs", "concat",
 )
 
 # Phases whose bytes / duration is a throughput (the low-throughput rule's default).

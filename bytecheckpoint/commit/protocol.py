@@ -3,10 +3,12 @@
 A checkpoint directory is committed when its metadata file exists under the final path.
 On storage with atomic rename (``CommitMode.RENAME``), ranks write into a hidden staging
 directory next to the final one (``.<name>.staging-<id>``); the coordinator writes the metadata
-last and renames the directory into place. With ``overwrite=True`` the old checkpoint is first
-renamed aside (``.<name>.replaced-<id>``) and deleted only once the new one is in place; if the
-process dies between the two renames, the next save to the path or the next load puts the old
-one back. So a crash at any moment leaves the old checkpoint or the new one, never neither.
+last and renames the directory into place. With ``overwrite=True`` the two directories are
+exchanged in one step where the file system can (``renameat2(RENAME_EXCHANGE)``: local disks,
+tmpfs), so the path always names the old checkpoint or the new one; elsewhere the old one is
+first renamed aside (``.<name>.replaced-<id>``) and deleted only once the new one is in place,
+and if the process dies between the two renames, the next save to the path or the next load
+puts the old one back. So a crash at any moment leaves the old checkpoint or the new one.
 
 On object stores (``CommitMode.MARKER``: no rename, but a PUT of one object is atomic) ranks
 write straight into the final prefix and the metadata object, written last, is the commit. The
@@ -511,9 +513,11 @@ def _drop_replaced(storage: Storage, final: str, save_id: str) -> None:
 
 
 def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id: str) -> None:
-    """Make ``staging`` visible as ``final`` (atomic rename; old copy moved aside first, and put
-    back if the rename fails). On object stores the metadata the caller wrote into ``final``
-    already committed it; what remains is deleting the files of the checkpoint it replaced."""
+    """Make ``staging`` visible as ``final``: an atomic rename, or, over a committed checkpoint,
+    one exchange of the two where the file system can (``renameat2``), else the old copy moved
+    aside first and put back if the rename fails. On object stores the metadata the caller
+    wrote into ``final`` already committed it; what remains is deleting the files of the
+    checkpoint it replaced."""
     if storage.commit_mode is CommitMode.MARKER:
         _drop_replaced(storage, final, save_id)
         return
@@ -523,6 +527,13 @@ def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id:
         check_target(storage, final, overwrite)  # still nothing but a checkpoint of ours
         _wait_for_readers(storage, final)
         replaced = posixpath.join(parent, f".{name}{REPLACED_TAG}{save_id}")
+        if storage.exchange(staging, final):
+            # One step: the path names the old checkpoint, then the new one, never nothing (a
+            # crash between two renames left it empty, and a tool that lists the directory, such
+            # as Lightning resolving "last", found no checkpoint there).
+            _set_aside(storage, staging, replaced)
+            _delete_replaced(storage, final, replaced)
+            return
         storage.rename(final, replaced)
     try:
         storage.rename(staging, final)
@@ -534,12 +545,27 @@ def commit(storage: Storage, staging: str, final: str, overwrite: bool, save_id:
                 log.warning("could not put %s back after a failed commit: %s", storage.url(final), exc)
         raise
     if replaced is not None:
-        try:
-            storage.delete(replaced)
-        except Exception as exc:  # noqa: BLE001 - committed: never reported as a failed save
-            log.warning("%s is committed, but the checkpoint it replaced (%s) could not be deleted "
-                        "(the next save or load of it removes it): %s", storage.url(final),
-                        storage.url(replaced), exc)
+        _delete_replaced(storage, final, replaced)
+
+
+def _set_aside(storage: Storage, old: str, replaced: str) -> None:
+    """Give the checkpoint an exchange moved to the staging name (``old``) the name of a replaced
+    one, which every later save or load of the path deletes; where that fails, it stays at the
+    staging name, which the next save deletes as the leftover of a save that is over."""
+    try:
+        storage.rename(old, replaced)
+    except Exception as exc:  # noqa: BLE001 - committed: never reported as a failed save
+        log.warning("%s is committed; the checkpoint it replaced stays at %s until the next save "
+                    "to it: %s", storage.url(posixpath.dirname(old)), storage.url(old), exc)
+
+
+def _delete_replaced(storage: Storage, final: str, replaced: str) -> None:
+    try:
+        storage.delete(replaced)
+    except Exception as exc:  # noqa: BLE001 - committed: never reported as a failed save
+        log.warning("%s is committed, but the checkpoint it replaced (%s) could not be deleted "
+                    "(the next save or load of it removes it): %s", storage.url(final),
+                    storage.url(replaced), exc)
 
 
 # -- the latest pointer ---------------------------------------------------------------------

@@ -133,6 +133,12 @@ class Storage(abc.ABC):
         """Atomically move a file or directory. ``dst`` must not exist unless ``overwrite``
         (files only), in which case it is replaced atomically."""
 
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap the entries ``a`` and ``b`` in one step, so that each path always names one of
+        the two; False (nothing changed) where the backend cannot, and the caller renames in
+        two steps."""
+        return False
+
     @abc.abstractmethod
     def delete(self, path: str) -> None:
         """Remove a file or a directory tree; a missing path is not an error."""

@@ -39,7 +39,7 @@ from .wrapper import StorageWrapper
 T = TypeVar("T")
 ENV = "BCP_STORAGE_FAULTS"
 OPS = ("open_writer", "write", "commit", "abort", "read_into", "size", "list_dir", "is_dir", "makedirs",
-       "rename", "delete")
+       "rename", "exchange", "delete")
 
 
 @dataclass(frozen=True)

@@ -44,17 +44,18 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
-def exchange(a: str, b: str) -> bool:
+def exchange(a: str, b: str, *, a_dir: int = _AT_FDCWD, b_dir: int = _AT_FDCWD) -> bool:
     """Swap the directory entries ``a`` and ``b`` in one step (``renameat2(RENAME_EXCHANGE)``):
     at every moment each path names one of the two. False where the C library or the file
-    system cannot (the caller then renames in two steps); raises OSError for anything else."""
+    system cannot (the caller then renames in two steps); raises OSError for anything else.
+    ``a_dir`` / ``b_dir``: directory descriptors relative paths are taken in (``dir_fd``)."""
     if "\0" in a or "\0" in b:  # a C string would end there, naming another path
         raise ValueError(f"embedded null byte in {a!r} or {b!r}")
     fn = function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                                 ctypes.c_uint], ctypes.c_int)
     if fn is None:
         return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if fn(a_dir, os.fsencode(a), b_dir, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):

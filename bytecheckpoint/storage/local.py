@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from fractions import Fraction
 
 from ..errors import NotARegularFileError
-from . import direct_io, parallel, write_slots
+from . import direct_io, libc, parallel, write_slots
 from .base import CommitMode, Storage, Writer
 from .config import TransferSettings, settings
 from .writeback import WriteBehind, drop_pages
@@ -395,6 +395,14 @@ class LocalStorage(Storage):
             os.rename(src, dst)
         if self.fsync:
             fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
+
+    def exchange(self, a: str, b: str) -> bool:
+        b = self._os_path(b)
+        if not libc.exchange(self._os_path(a), b):
+            return False
+        if self.fsync:
+            fsync_dir(os.path.dirname(os.path.abspath(b)) or ".")
+        return True
 
     def delete(self, path: str) -> None:
         path = self._os_path(path)

@@ -23,6 +23,7 @@ import stat
 from collections.abc import Iterator
 
 from ..errors import InvalidStorageURLError
+from . import libc
 from .base import CommitMode, Writer
 from .local import WRITE_FLAGS, LocalStorage, _LocalWriter, _open_regular
 
@@ -205,6 +206,12 @@ class SharedMemoryStorage(LocalStorage):
             if is_dir is not None or _lexists(dname, dfd):  # a dangling link is there too
                 raise FileExistsError(dfull)
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+
+    def exchange(self, a: str, b: str) -> bool:
+        if self._is_root(a) or self._is_root(b):
+            return False
+        with self._parent(a) as (afd, aname, _), self._parent(b) as (bfd, bname, _):
+            return libc.exchange(aname, bname, a_dir=afd, b_dir=bfd)
 
     def delete(self, path: str) -> None:
         if self._is_root(path):

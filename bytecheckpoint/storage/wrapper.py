@@ -61,6 +61,10 @@ class StorageWrapper(Storage):
     def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
         return self._call("rename", src, lambda: self.inner.rename(src, dst, overwrite=overwrite))
 
+    def exchange(self, a: str, b: str) -> bool:
+        # A failed renameat2 changed nothing, so a retry of it is safe.
+        return self._call("exchange", a, lambda: self.inner.exchange(a, b))
+
     def delete(self, path: str) -> None:
         return self._call("delete", path, lambda: self.inner.delete(path))
 

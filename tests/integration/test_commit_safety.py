@@ -341,7 +341,10 @@ def test_an_older_release_string_step_in_latest_no_longer_breaks_integer_saves(t
 # -- 5. a crash at each step of an overwrite -------------------------------------------------
 
 
-@pytest.mark.parametrize("moment, survivor", [("write", 1.0), ("aside", 1.0), ("swapped", 2.0)])
+@pytest.mark.parametrize("moment, survivor", [
+    ("write", 1.0), ("exchanged", 2.0), ("aside", 2.0),  # one exchange, then the old one set aside
+    ("two-step:aside", 1.0), ("two-step:swapped", 2.0),  # without renameat2's exchange
+])
 def test_a_crash_during_an_overwrite_leaves_the_old_or_the_new_checkpoint(tmp_path, moment, survivor):
     path = str(tmp_path / "ckpt")
     bcp.save(path, make_state(1), step=1)

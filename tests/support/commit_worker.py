@@ -83,7 +83,18 @@ class CrashingStorage(LocalStorage):
 
     def __init__(self, moment: str) -> None:
         super().__init__(fsync=False)
-        self.moment = moment
+        # "two-step:<moment>": a file system without renameat2's exchange (the commit renames
+        # the old checkpoint aside, then the new one in)
+        self.two_step = moment.startswith("two-step:")
+        self.moment = moment.removeprefix("two-step:")
+
+    def exchange(self, a: str, b: str) -> bool:
+        if self.two_step:
+            return False
+        swapped = super().exchange(a, b)
+        if swapped and self.moment == "exchanged":
+            self._die()
+        return swapped
 
     def _die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
