@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _ACTIVE: dict[str, int] = {}  # root URL -> id of the open manager on it, in this process
 _ACTIVE_LOCK = threading.Lock()
+# Open managers whose signal handlers are installed, in installation order (under _ACTIVE_LOCK):
+# closing one that a later one was installed on top of hands its saved handlers down to it.
+_HANDLING: list[CheckpointManager] = []
 _ERRORS = {c.__name__: c for c in (NotACheckpointError, InvalidArgumentError, ConcurrentSaveError,
                                    CorruptCheckpointError)}
 
@@ -150,7 +153,11 @@ class CheckpointManager:
         self._step_t0: tuple[float, float] | None = None
         self._old_handlers: dict[int, Any] = {}
         if preemption:
-            self._install(DEFAULT_SIGNALS if preemption is True else tuple(preemption))
+            try:
+                self._install(DEFAULT_SIGNALS if preemption is True else preemption)
+            except BaseException:
+                self._finalizer()  # free the root: this manager never opened
+                raise
 
     # -- checks ------------------------------------------------------------------------------
     def _check_root(self) -> None:
@@ -186,12 +193,39 @@ class CheckpointManager:
         return self._agreed(outcome)
 
     # -- preemption --------------------------------------------------------------------------
-    def _install(self, signals: tuple[int, ...]) -> None:
+    def _install(self, signals: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise InvalidArgumentError("preemption handlers can only be installed from the main thread "
                                        "(Python delivers signals there); create the manager there")
-        for sig in signals:
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        sig = signals
+        try:
+            for sig in signals:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        except (OSError, ValueError, TypeError) as exc:  # SIGKILL, a bad number, not a signal
+            self._uninstall()  # no handler of a manager that never opened may stay
+            raise InvalidArgumentError(
+                f"preemption={signals!r}: {sig!r} cannot be handled ({exc}); give True or a list "
+                "of catchable signals, such as [signal.SIGTERM, signal.SIGUSR1]") from None
+        with _ACTIVE_LOCK:
+            _HANDLING.append(self)
+
+    def _uninstall(self) -> None:
+        """Put back the handlers this manager replaced, where its own is still installed. A
+        handler installed on top of it since is left in place: a later manager's takes over
+        what to put back at its close; a user's own stays theirs."""
+        with _ACTIVE_LOCK:
+            if self in _HANDLING:
+                _HANDLING.remove(self)
+            later = list(_HANDLING)
+        mine = self._on_signal
+        for sig, old in self._old_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):  # close() outside the main thread
+                if signal.getsignal(sig) == mine:
+                    signal.signal(sig, old)
+                    continue
+            for other in later:
+                if other._old_handlers.get(sig) == mine:
+                    other._old_handlers[sig] = old
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.agreement.flags[STOP] = 1  # an assignment: safe in a handler; acted on at a check
@@ -525,9 +559,7 @@ class CheckpointManager:
             self.agreement.close()
         finally:
             self._closed = True
-            for sig, old in self._old_handlers.items():
-                with contextlib.suppress(ValueError, TypeError):
-                    signal.signal(sig, old)
+            self._uninstall()
             self._finalizer()
 
     def __enter__(self) -> CheckpointManager:
