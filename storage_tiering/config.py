@@ -80,11 +80,12 @@ class TieringConfig:
                               "or mount (the hot path links to it)")
         hot, cold = _abs(self.hot), _abs(self.cold)
         _check_hot_root(hot)
-        if hot == cold or cold.startswith(hot + os.sep) or hot.startswith(cold + os.sep):
-            raise ConfigError(f"hot tier {hot} and cold tier {cold} must not contain each other")
+        check_apart(hot, cold)
         return replace(self._check_policy(), hot=hot, cold=cold)
 
     def _check_policy(self) -> TieringConfig:
+        if self.interval <= 0:  # --loop would run pass after pass without a pause
+            raise ConfigError(f"interval {self.interval:g}s: give a time between passes above 0")
         if self.keep_newest < 0 or self.keep_every < 0:
             raise ConfigError("keep_newest and keep_every must be >= 0")
         if self.delete_after is not None and self.keep_newest < 1:
@@ -99,6 +100,18 @@ class TieringConfig:
 
 def _abs(path: str) -> str:
     return os.path.abspath(path.removeprefix("file://"))
+
+
+def check_apart(hot: str, cold: str) -> None:
+    """Neither tier may contain the other, as given or through symlinks (real paths): a cold
+    tier inside the hot one is scanned as checkpoints of its own, and retention would delete
+    the cold copies that hot links (a pinned checkpoint's too) point to."""
+    hot, cold = os.path.abspath(hot), os.path.abspath(cold)
+    for h, c in ((hot, cold), (os.path.realpath(hot), os.path.realpath(cold))):
+        if os.path.commonpath([h, c]) in (h, c):
+            via = "" if (h, c) == (hot, cold) else f" (real paths of {hot} and {cold})"
+            raise ConfigError(f"hot tier {h} and cold tier {c} must not contain each other{via}: give "
+                              "two separate directories")
 
 
 def _check_hot_root(hot: str) -> None:

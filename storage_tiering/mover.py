@@ -180,6 +180,18 @@ def _place(tmp: str, cold_file: str) -> None:
     fsync_dir(os.path.dirname(cold_file))
 
 
+def _refuse_foreign_links(ckpt_path: str, todo: list[str], cold_root: str) -> None:
+    """A file that is a link, but not into this cold tier, was cooled by a pass given another
+    one (two services on one hot tier): copying it again would only orphan that copy, and its
+    remap is refused anyway, after the whole copy."""
+    for n in todo:
+        link = os.path.join(ckpt_path, n)
+        if os.path.islink(link):
+            raise MoveError(f"{link} links to {os.path.realpath(link)}, outside the cold root {cold_root} "
+                            "(cooled by a tiering pass given another cold tier?); not moved. Run one "
+                            "service per hot tier, with one cold tier")
+
+
 class Mover:
     """Moves checkpoints from ``hot_root`` to ``cold_root`` (local directories or mounts)."""
 
@@ -276,6 +288,7 @@ class Mover:
               dir_fd: int, t0: float, ev: Span) -> MoveResult:
         todo = [n for n in files if not is_cold_link(os.path.join(ckpt.path, n), self.cold_root)]
         ev.set(files=len(todo))
+        _refuse_foreign_links(ckpt.path, todo, self.cold_root)
         self._refuse_existing_cold(ckpt.path, todo)
         cold_files = [self.cold_path(os.path.join(ckpt.path, n)) for n in todo]
         self.journal.append(move_id, "move", "begin", checkpoint=ckpt.path, files=todo,
@@ -480,17 +493,26 @@ def _move_plan(hot_root: str, cold_root: str, rec: dict, placing: dict[str, dict
     return _MovePlan(ckpt, move_id, scratch, files)
 
 
-def _recover_move(hot_root: str, cold_root: str, plan: _MovePlan) -> None:
-    users = cold_references(hot_root, cold_root)
-    scratch_ok = os.path.isdir(plan.scratch) and not os.path.islink(plan.scratch)
+def _drop_temporaries(plan: _MovePlan) -> None:
+    """Remove the move's temporary names: a remap's link not yet renamed over the hot file, a
+    copy not yet named."""
     for f in plan.files:
-        hot_copy = os.path.join(plan.scratch, f.name)
         tmp_link = link_tmp(f.hot_file, plan.move_id)
         if os.path.islink(tmp_link):
             os.unlink(tmp_link)
         tmp_cold = cold_tmp(f.cold_file, plan.move_id)
         if os.path.lexists(tmp_cold) and not os.path.isdir(tmp_cold):
             os.unlink(tmp_cold)
+
+
+def _recover_move(hot_root: str, cold_root: str, plan: _MovePlan) -> None:
+    _drop_temporaries(plan)
+    # Only then: the remap's own temporary link would count as a user of its cold copy, which
+    # the roll back would keep as an orphan that blocks the checkpoint's next move.
+    users = cold_references(hot_root, cold_root)
+    scratch_ok = os.path.isdir(plan.scratch) and not os.path.islink(plan.scratch)
+    for f in plan.files:
+        hot_copy = os.path.join(plan.scratch, f.name)
         if scratch_ok and os.path.islink(f.hot_file) and not os.path.exists(f.hot_file) \
                 and os.path.isfile(hot_copy) and not os.path.islink(hot_copy):
             os.replace(hot_copy, f.hot_file)  # never leave a link pointing nowhere

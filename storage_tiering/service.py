@@ -14,14 +14,14 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from bytecheckpoint.manage.catalog import hot_bytes, orphans, scan
+from bytecheckpoint.manage.catalog import cold_references, hot_bytes, orphans, scan
 from bytecheckpoint.manage.deletion import delete_checkpoint, delete_on_storage, recover_unjournaled
 from bytecheckpoint.manage.journal import JOURNAL_FILE, LOCK_FILE, Journal, TierBusyError, exclusive
 from bytecheckpoint.storage import open_storage
 from bytecheckpoint.storage.redact import redact
 from telemetry import context, get_context, span
 
-from .config import ConfigError, TieringConfig
+from .config import ConfigError, TieringConfig, check_apart
 from .hdfs import HdfsCli, HdfsMover, PolicyAdmin, scan_remote
 from .mover import Hook, Mover, MoveResult, recover
 from .plan import Decision, decide
@@ -68,12 +68,14 @@ def _run(config: TieringConfig, dry_run: bool, now: float | None, on_step: Hook 
         # Never create a missing tier: an unmounted disk would be filled in its mount point.
         if not os.path.isdir(root):
             raise ConfigError(f"the {label} tier {root} is not a directory (is the disk mounted?)")
+    check_apart(config.hot, config.cold)  # again: a symlink may have changed since the start
     report = Report(dry_run=dry_run)
     journal = Journal(config.cold)
     with exclusive(config.cold):
         if not dry_run:
             report.recovered = recover(config.hot, config.cold, journal)
             report.recovered += recover_unjournaled(config.hot, config.cold)  # `bcp gc` without --cold
+        _refuse_missing_cold(config.hot, config.cold)
         with span("tiering.scan", path=config.hot) as ev:
             checkpoints = scan(config.hot, config.cold)
             report.hot_bytes_before = hot_bytes(config.hot)
@@ -102,6 +104,26 @@ def _run(config: TieringConfig, dry_run: bool, now: float | None, on_step: Hook 
             log.warning("tiering: %d cold file(s) that no hot path links to, e.g. %s (not deleted)",
                         len(report.orphans), report.orphans[0])
     return report
+
+
+def _refuse_missing_cold(hot: str, cold: str) -> None:
+    """Refuse a pass while hot links point at cold files that are not there: the cold tier is
+    unmounted (its mount point left empty) or was moved. Cooling into the empty mount point
+    would hide the new copies under the disk once it is mounted again, losing those
+    checkpoints."""
+    missing = sorted(t for t, links in cold_references(hot, cold).items()
+                     if not os.path.lexists(t) and any(_visible(link, hot) for link in links))
+    if missing:
+        raise ConfigError(f"the cold tier {cold} lacks {len(missing)} cold file(s) that hot links point "
+                          f"to, e.g. {missing[0]}: is the disk mounted? Nothing was cooled or deleted. "
+                          "Mount it (or put the cold tier back where the links point); if those files "
+                          "were deleted, remove the checkpoints that link to them")
+
+
+def _visible(path: str, root: str) -> bool:
+    """``path`` lies in no hidden directory below ``root`` (a deletion's trash or a move's scratch
+    directory, which their recovery resolves, is not a checkpoint)."""
+    return not any(part.startswith(".") for part in os.path.relpath(path, root).split(os.sep))
 
 
 def _run_hdfs(config: TieringConfig, dry_run: bool, now: float, on_step: Hook | None,

@@ -6,6 +6,7 @@ The commit protocol (staging, commit, overwrite, the ``latest`` pointer) lives i
 
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from .protocol import (  # noqa: F401  (re-exported)
     stale_staging_dirs,
     update_latest,
 )
+from .save_lock import local_os_path
 
 _VERIFY_BLOCK = 64 << 20  # bytes of one piece a verify thread holds at a time
 
@@ -53,6 +55,15 @@ def _find(storage: Storage, path: str) -> str | None:
     if storage.exists(posixpath.join(target, METADATA_FILE)):
         return target
     return repair(storage, target)
+
+
+def dangling_metadata_link(storage: Storage, path: str) -> str | None:
+    """Where the metadata of the local checkpoint at ``path`` links to, when it is a link (the
+    checkpoint was cooled) to nothing; else None."""
+    local = local_os_path(storage, posixpath.join(path, METADATA_FILE))
+    if local is None or not os.path.islink(local) or os.path.exists(local):
+        return None
+    return os.path.realpath(local)
 
 
 def resolve(url: str) -> tuple[Storage, str]:
@@ -90,6 +101,12 @@ def resolve(url: str) -> tuple[Storage, str]:
             f"{url}: a save to this path was started but never committed (staging: "
             f"{posixpath.basename(stale[0])}); load the previous checkpoint instead"
         )
+    missing = dangling_metadata_link(storage, path)
+    if missing is not None:
+        raise NotACheckpointError(
+            f"{url}: its {METADATA_FILE} links to {missing}, which is not there: the checkpoint was "
+            "cooled to a cold tier that is missing now (unmounted or moved?). Mount the cold tier again "
+            "(or put it back where the links point), then load it")
     if storage.is_dir(path):
         raise NotACheckpointError(
             f"{url} is not a checkpoint: it has no {METADATA_FILE} (written when a save commits)"
