@@ -206,6 +206,14 @@ def _source_views(job: _Job, items: list[WriteItem], locators: list[Locator] | N
     return views
 
 
+def _nothing_of(shape: tuple[int, ...]) -> Box:
+    """The empty box a rank that holds none of a tensor offers (planning skips it). A 0-d
+    tensor has no empty box of its own rank (``Box((), ())`` is its one element, and offering
+    it made a rank that held nothing its writer), so it gets a 1-d one."""
+    n = max(1, len(shape))
+    return Box((0,) * n, (0,) * n)
+
+
 def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[str], str] | None) -> None:
     comm = job.comm
     flat = flatten_state(state, fqn_map=fqn_map)
@@ -223,7 +231,7 @@ def _collect(job: _Job, state: Any, framework: str | None, fqn_map: Callable[[st
             shape = planner.global_shape(tensor)
             rows.extend((key, dtype, shape, s.box) for s in local)
             if not local:  # a rank may hold nothing of a tensor; still announce its shape
-                rows.append((key, dtype, shape, Box((0,) * len(shape), (0,) * len(shape))))
+                rows.append((key, dtype, shape, _nothing_of(shape)))
         digest = rows_digest(rows)
         pieces_memo.remember(planner.name, comm.global_ranks, flat.tensors, job.shards, rows, digest)
     # An optimizer's hyperparameters are one dict per group, shared by all of its parameters'
@@ -469,16 +477,21 @@ def _needs_staging(views: list[torch.Tensor]) -> bool:
 class _Sources:
     """The bytes of a rank's assigned boxes: staged copies, or live tensor views.
 
-    Allocating the staging arena can fail on one rank (no host memory). The error is kept
-    and raised inside this rank's write, so it reaches every rank through the next collective
-    instead of leaving the others waiting in it."""
+    Allocating the staging arena can fail on one rank (no host memory), and so can finding a
+    box's bytes. The error is kept and raised inside this rank's write, so it reaches every
+    rank through the next collective instead of leaving the others waiting in it."""
 
     def __init__(self, job: _Job, assignment: Assignment, stage: bool,
                  locators: list[Locator] | None = None) -> None:
-        views = _source_views(job, assignment.items, locators)
         self.stager: Stager | None = None
-        self.error: StagingError | None = None
+        self.error: Exception | None = None
         self.thread: threading.Thread | None = None
+        self.fns: list[Callable[[], memoryview]] = []
+        try:
+            views = _source_views(job, assignment.items, locators)
+        except Exception as exc:  # kept the same way: raised here, the other ranks waited for ever
+            self.error = exc
+            return
         try:
             if stage or _needs_staging(views):
                 self.stager = _stager(job, assignment, views)

@@ -74,19 +74,43 @@ def _control_group(group: Any) -> Any:
     return _GLOO_GROUPS[key]
 
 
-def gloo_group_of(ranks: list[int]) -> Any:
+def gloo_group_of(ranks: list[int], parent: Any = None) -> Any:
     """A new gloo group of ``ranks``, created by its members alone.
 
     A subgroup (a load on a pipeline stage's group, called by its members only) is created
     with local synchronization: its name comes from its ranks and the number of groups the
     process already has. That count differs between ranks whose histories differ (one rank
-    failed before creating a group its peers made), and then the members wait for each other
-    under different names forever. A group of the whole world needs no such name: every
-    rank is a member and calls this, so the plain world-wide creation (a shared counter) is
-    both correct and immune to differing histories."""
+    failed before creating a group its peers made; a save on ranks [0, 1] made a save group
+    that rank 2 has not, before a save on [0, 1, 2]), and then the members wait for each
+    other under different names forever. ``parent``, a group of exactly ``ranks`` that can
+    carry CPU tensors, lets them agree on the count first (:func:`_same_group_count`). A
+    group of the whole world needs no such name: every rank is a member and calls this, so
+    the plain world-wide creation (a shared counter) is both correct and immune to differing
+    histories."""
     if len(ranks) == dist.get_world_size():
         return dist.new_group(ranks=list(ranks), backend="gloo")
+    if parent is not None and _carries_cpu(parent):
+        _same_group_count(parent)
     return dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+
+
+def _carries_cpu(group: Any) -> bool:
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or "cpu:gloo" in backend
+
+
+def _same_group_count(group: Any) -> None:
+    """Bring this rank's count of process groups up to the largest in ``group`` with groups
+    of this rank alone, so the next subgroup its members create gets one name on all of
+    them (torch names a locally synchronized group by its ranks and that count)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    if names is None:  # another torch: nothing to align by
+        return
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, torch.tensor([len(names)], dtype=torch.int64), group=group)
+    for _ in range(int(max(c.item() for c in counts)) - len(names)):
+        dist.new_group(ranks=[dist.get_rank()], backend="gloo", use_local_synchronization=True)
 
 
 def _save_group(group: Any) -> Any:
@@ -98,7 +122,7 @@ def _save_group(group: Any) -> Any:
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     if ranks not in _SAVE_GROUPS:
         # Only the member ranks take part in creating it (every one of them is saving).
-        _SAVE_GROUPS[ranks] = gloo_group_of(list(ranks))
+        _SAVE_GROUPS[ranks] = gloo_group_of(list(ranks), group if group is not None else dist.group.WORLD)
     return _SAVE_GROUPS[ranks]
 
 

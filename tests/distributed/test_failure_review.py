@@ -51,3 +51,16 @@ def test_a_rank_that_dies_in_a_load_or_a_save_gives_the_other_a_named_error_at_o
         "latest", "rank0.outcome", "step_1"]
     got = fw.module(None)
     assert bcp.load(str(root), {"model": got}).step == 1 and fw.exact(got, 1)
+
+
+def test_a_rank_that_cannot_find_a_box_s_bytes_fails_the_save_on_every_rank(world, tmp_path):
+    # Was: the error left rank 1's save at once, and rank 0 waited in the write round until
+    # the group's timeout (found by the resharding fuzzer: a 0-d tensor one rank held none of).
+    r0, r1 = world(2).run(fw.save_sources_fail, str(tmp_path))
+    for mode in ("sync", "async"):
+        assert "no bytes for a box" in r1[mode], r1
+        assert r0[mode].startswith("RankFailedError") and "rank 1" in r0[mode], r0
+        assert "no bytes for a box" in r0[mode], r0
+    for r in (r0, r1):
+        assert r["listing"] == ["latest", "step_1"], r  # nothing of step_2 committed
+        assert r["then exact"], r

@@ -151,3 +151,21 @@ def dying_world(root: str, moment: str, port: int, timeout: float = 120.0) -> di
         except FileNotFoundError:
             pass
     return out
+
+
+def save_sources_fail(root: str) -> dict[str, Any]:
+    """step_2's save fails on rank 1 while it finds its boxes' bytes (after the plan round, in
+    the sync and the async save); what each rank raises, and a save and load after it."""
+    bcp.save(f"{root}/step_1", {"model": module(1)}, step=1)
+    out: dict[str, Any] = {}
+    boom = _raise(RuntimeError("no bytes for a box"))
+    out["sync"] = _on_rank_1(save_engine, "_source_views", boom,
+                             lambda: bcp.save(f"{root}/step_2", {"model": module(2)}, step=2))
+    out["async"] = _on_rank_1(save_engine, "_source_views", boom,
+                              lambda: bcp.save(f"{root}/step_2", {"model": module(2)}, step=2,
+                                               async_save=True).wait())
+    dist.barrier()
+    out["listing"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    bcp.save(f"{root}/step_3", {"model": module(3)}, step=3)
+    out["then exact"] = _load_exact(root, 3)
+    return out
