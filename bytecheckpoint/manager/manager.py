@@ -554,6 +554,13 @@ class CheckpointManager:
         """Finish the save in flight and retention, restore the signal handlers, free the root."""
         if self._closed:
             return
+        if self.agreement.flags[STOP] and not self._stop:
+            # The signal came after the ranks' last agreement and the loop ended before the next
+            # one: no preemption checkpoint exists, and the job should not count on one.
+            log.warning("%s: a preemption signal reached this rank, but the training loop ended before "
+                        "the ranks' next agreement (every %d steps), so no preemption checkpoint was "
+                        "saved. Save once after the loop, or give last_step",
+                        self.url, self.agreement.check_every)
         try:
             self.wait()
             self.agreement.close()

@@ -3,6 +3,7 @@ signals that cannot be handled. (Preemption across ranks: tests/distributed/test
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -54,3 +55,30 @@ def test_a_signal_that_cannot_be_handled_is_named_and_leaves_nothing_behind(tmp_
         bcp.CheckpointManager(root, preemption=signals)
     assert signal.getsignal(signal.SIGTERM) is _user_handler
     bcp.CheckpointManager(root).close()  # the root is free again
+
+
+def test_a_signal_the_loop_ended_before_acting_on_is_reported_at_close(tmp_path, sigterm_restored, caplog):
+    # Was: silent; the job exited normally as if its preemption checkpoint had been made.
+    mgr = bcp.CheckpointManager(str(tmp_path / "run"), preemption=True, check_every=8)
+    state = {"w": torch.zeros(2)}
+    for step in range(1, 4):
+        mgr.save(step, state)
+    os.kill(os.getpid(), signal.SIGTERM)  # after the last agreement; the loop ends at step 3
+    assert not mgr.stop_requested
+    with caplog.at_level(logging.WARNING, logger="bytecheckpoint"):
+        mgr.close()
+    assert "no preemption checkpoint was saved" in caplog.text
+
+
+def test_a_signal_acted_on_is_not_reported_again_at_close(tmp_path, sigterm_restored, caplog):
+    mgr = bcp.CheckpointManager(str(tmp_path / "run"), preemption=True, check_every=1)
+    state = {"w": torch.zeros(2)}
+    os.kill(os.getpid(), signal.SIGTERM)
+    for step in range(1, 4):
+        mgr.save(step, state)
+        if mgr.stop_requested:
+            break
+    assert mgr.stop_requested
+    with caplog.at_level(logging.WARNING, logger="bytecheckpoint"):
+        mgr.close()
+    assert "no preemption checkpoint" not in caplog.text
