@@ -438,14 +438,19 @@ def _plan_local(url: str, state: dict[str, Any], framework: str | None, comm: Co
     saved_keys = {tm.key for tm in meta.tensors} | object_keys
     tensor_roots = {tm.key.split("/", 1)[0] for tm in meta.tensors}
     by_parent: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
-    for tm in meta.tensors:
-        parent, _, name = tm.key.rpartition("/")
-        by_parent.setdefault(parent, {})[name] = (tuple(tm.shape), dtype_from_name(tm.dtype))
+
+    def saved_tensors(prefix: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if not by_parent:  # built once, at an optimizer's first question: a model-only load never asks
+            for tm in meta.tensors:
+                parent, _, name = tm.key.rpartition("/")
+                by_parent.setdefault(parent, {})[name] = (tuple(tm.shape), dtype_from_name(tm.dtype))
+        return by_parent.get(prefix, {})
+
     flat = flatten_state(
         state, for_load=True, fqn_map=fqn_map,
         has_saved_state=lambda prefix: any(k.startswith(prefix) for k in saved_keys),
         saved_as_tensors=lambda key: key in tensor_roots and key not in object_keys,
-        saved_tensors=lambda prefix: by_parent.get(prefix, {}),
+        saved_tensors=saved_tensors,
     )
     stamp_topology(flat.tensors.values())
     planner = get_planner(framework, flat, comm)
