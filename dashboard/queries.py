@@ -6,9 +6,14 @@ with FINAL so redelivered copies count once (see ``telemetry.store``).
 
 One path can be saved (or loaded) many times: a "latest" checkpoint saved every step, an
 overwrite. Each call is one row of ``checkpoints``, told apart by its ``step`` and ``call``
-(1 for the first call of that step to that path, 2 for the next, ...): every rank's span is
-given to that rank's newest save / load call that started before it (``_CALLS``); a call
-a rank never ended (hung, killed) starts at its first phase span (``CALL_BEGINS``).
+(1 for the first call of that step to that path, 2 for the next, ...). A rank's spans belong
+to the call whose ``call_id`` they carry (made when its save / load starts, carried by an
+async save's background work too; ``telemetry.schema``): the call's step is that of its first
+span that names one, and its start its first span's. Events of earlier releases carry no
+``call_id``: each of those spans is given to that rank's newest save / load call that started
+before it (``_CALLS``), where a call a rank never ended (hung, killed) starts at its first
+phase span (``CALL_BEGINS``). Ranks share no call id, so the calls of one collective save are
+matched across ranks by (checkpoint, op, step, call): every rank numbers its own calls.
 
 Tiering (read by ``tiering_moves``): the cooling service's spans in the same events table.
 
@@ -48,49 +53,64 @@ _FILTERS = """({job:String} = '' OR job = {job:String}) AND ({run:String} = '' O
 # that never ended has no whole-call span, and its phases begin that call instead.
 CALL_BEGINS: dict[str, str] = {"save": "save.collect", "load": "load.metadata"}
 
-# Every rank's ended calls: their whole-call spans, from start to end.
+# Every rank's ended calls without a call id (events of earlier releases): their whole-call
+# spans, from start to end.
 _ENDS = """
 SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts AS call_ts, step, event_id,
        toFloat64(ts) + duration_s AS end_ts,
        ts + toIntervalMicrosecond(toInt64(ceil(duration_s * 1e6))) AS end_at, toUInt8(1) AS ended
-FROM {events} FINAL WHERE name = checkpoint_op AND {where}
+FROM {events} FINAL WHERE name = checkpoint_op AND call_id = '' AND {where}
 """
 
-# Where each rank's calls start: every whole-call span, and every first phase span outside the
-# rank's ended calls (a call it never ended: hung, or killed). Numbered per rank and step in
-# start order, as the alert rules count a rank's calls ("call N"). A load does nothing after
+# Where those calls start: every whole-call span, and every first phase span outside the
+# rank's ended calls (a call it never ended: hung, or killed). A load does nothing after
 # its call ends, so an unended load right after an ended one starts where that one ended: its
 # spans before its metadata (the read lease's checks) are its own, not the ended call's.
-_STARTS = """
-SELECT job, run, checkpoint, checkpoint_op, rank_key, call_ts, step,
-       toUInt32(row_number() OVER (PARTITION BY job, run, checkpoint, checkpoint_op, rank_key, step
-                                   ORDER BY call_ts, event_id)) AS call
+_TIMED_STARTS = """
+SELECT job, run, checkpoint, checkpoint_op, rank_key, '' AS call_id, call_ts, step, event_id FROM ({ends})
+UNION ALL
+SELECT job, run, checkpoint, checkpoint_op, rank_key, '',
+       if(checkpoint_op = 'load' AND ended = 1 AND prev_ts < ended_call_ts, end_at, ts), step, event_id
 FROM (
-    SELECT job, run, checkpoint, checkpoint_op, rank_key, call_ts, step, event_id FROM ({ends})
-    UNION ALL
-    SELECT job, run, checkpoint, checkpoint_op, rank_key,
-           if(checkpoint_op = 'load' AND ended = 1 AND prev_ts < ended_call_ts, end_at, ts), step, event_id
+    SELECT b.*, w.ended AS ended, w.call_ts AS ended_call_ts, w.end_at AS end_at,
+           lagInFrame(b.ts, 1, toDateTime64(0, 6, 'UTC')) OVER (
+               PARTITION BY b.job, b.run, b.checkpoint, b.checkpoint_op, b.rank_key
+               ORDER BY b.ts, b.event_id ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_ts
     FROM (
-        SELECT b.*, w.ended AS ended, w.call_ts AS ended_call_ts, w.end_at AS end_at,
-               lagInFrame(b.ts, 1, toDateTime64(0, 6, 'UTC')) OVER (
-                   PARTITION BY b.job, b.run, b.checkpoint, b.checkpoint_op, b.rank_key
-                   ORDER BY b.ts, b.event_id ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_ts
-        FROM (
-            SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts, step, event_id
-            FROM {events} FINAL WHERE name = {begins} AND {where}
-        ) AS b
-        ASOF LEFT JOIN ({ends}) AS w
-        ON b.job = w.job AND b.run = w.run AND b.checkpoint = w.checkpoint
-           AND b.checkpoint_op = w.checkpoint_op AND b.rank_key = w.rank_key AND b.ts >= w.call_ts
-        WHERE w.ended = 0 OR toFloat64(b.ts) > w.end_ts
-    )
+        SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts, step, event_id
+        FROM {events} FINAL WHERE name = {begins} AND call_id = '' AND {where}
+    ) AS b
+    ASOF LEFT JOIN ({ends}) AS w
+    ON b.job = w.job AND b.run = w.run AND b.checkpoint = w.checkpoint
+       AND b.checkpoint_op = w.checkpoint_op AND b.rank_key = w.rank_key AND b.ts >= w.call_ts
+    WHERE w.ended = 0 OR toFloat64(b.ts) > w.end_ts
 )
 """
 
+# Calls named by their spans' call id: they start at their first span, and their step is the
+# first one a span names (a load's reads before its metadata name none; an async save's
+# background spans, with no step= of the save's, may carry the step training moved on to).
+_ID_STARTS = """
+SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, call_id, min(ts) AS call_ts,
+       argMin(step, ts) AS id_step, min(event_id) AS first_id
+FROM {events} FINAL WHERE call_id != '' AND {where}
+GROUP BY job, run, checkpoint, checkpoint_op, rank_key, call_id
+"""
+
+# Every call of every rank, numbered per rank and step in start order, as the alert rules count
+# a rank's calls ("call N").
+_STARTS = """
+SELECT job, run, checkpoint, checkpoint_op, rank_key, call_id, call_ts, step,
+       toUInt32(row_number() OVER (PARTITION BY job, run, checkpoint, checkpoint_op, rank_key, step
+                                   ORDER BY call_ts, event_id)) AS call
+FROM ({timed} UNION ALL {named})
+"""
+
 # Every event of the selected checkpoint paths with the call it belongs to: call_step and call.
-# A span is that rank's newest call that started at or before it (an async save's background
-# spans come after its call ends), if the span carries that call's step or none (a load's
-# reads before its metadata named the step); else the span's own step, call 1.
+# A span with a call id is in that call. One without (an earlier release's) is in that rank's
+# newest call that started at or before it (an async save's background spans come after its
+# call ends), if the span carries that call's step or none (a load's reads before its metadata
+# named the step); else the span's own step, call 1.
 _CALLS = """
 SELECT e.*, if(matched, c.step, e.step) AS call_step, if(matched, c.call, 1) AS call
 FROM (
@@ -98,9 +118,9 @@ FROM (
 ) AS e
 ASOF LEFT JOIN ({starts}) AS c
 ON e.job = c.job AND e.run = c.run AND e.checkpoint = c.checkpoint AND e.checkpoint_op = c.checkpoint_op
-   AND e.rank_key = c.rank_key AND e.ts >= c.call_ts
+   AND e.rank_key = c.rank_key AND e.call_id = c.call_id AND e.ts >= c.call_ts
 """
-_MATCHED = "c.call > 0 AND (e.step IS NULL OR e.step = c.step)"
+_MATCHED = "c.call > 0 AND (e.call_id != '' OR e.step IS NULL OR e.step = c.step)"
 
 
 def _calls(where: str) -> str:
@@ -108,7 +128,9 @@ def _calls(where: str) -> str:
     cases = ", ".join(f"checkpoint_op = '{op}', '{name}'" for op, name in CALL_BEGINS.items())
     begins = f"multiIf({cases}, '')"
     ends = _ENDS.format(events=EVENTS, where=where)
-    starts = _STARTS.format(events=EVENTS, where=where, ends=ends, begins=begins)
+    timed = _TIMED_STARTS.format(events=EVENTS, where=where, ends=ends, begins=begins)
+    named = _ID_STARTS.format(events=EVENTS, where=where)
+    starts = _STARTS.format(timed=timed, named=named)
     body = _CALLS.format(events=EVENTS, where=where, starts=starts).replace("if(matched", f"if({_MATCHED}")
     return f"({body})"
 
@@ -199,16 +221,17 @@ def _step(step: Any) -> int | None:
 
 
 def step_phases(client: Any, *, job: str = ALL, run: str = ALL, op: str = "save") -> pd.DataFrame:
-    """Per (step, phase): the slowest rank's and the median rank's busy seconds."""
+    """Per (step, phase): the slowest rank's and the median rank's busy seconds, each span at
+    its call's step (see the module docs)."""
+    where = f"checkpoint_op = {{op:String}} AND {_FILTERS}"
     sql = f"""
     SELECT step, phase, max(d) AS max_s, quantileExact(0.5)(d) AS median_s, count() AS ranks
     FROM (
-        SELECT step, rank, name AS phase, sum(duration_s) AS d
-        FROM {EVENTS} FINAL
-        WHERE step IS NOT NULL AND checkpoint_op = {{op:String}} AND rank IS NOT NULL
+        SELECT call_step AS step, rank, name AS phase, sum(duration_s) AS d
+        FROM {_calls(where)}
+        WHERE call_step IS NOT NULL AND rank IS NOT NULL
           AND NOT startsWith(name, {{io:String}}) AND NOT has({{scopes:Array(String)}}, name)
-          AND {_FILTERS}
-        GROUP BY step, rank, name
+        GROUP BY call_step, rank, name
     )
     GROUP BY step, phase
     ORDER BY step, phase

@@ -15,6 +15,10 @@ Event fields (one flat JSON object per finished span)::
     checkpoint    the checkpoint this span worked on: the ``path`` of the enclosing "save" / "load"
                   span (inherited by child spans, and by spans in worker threads while it is open)
     checkpoint_op "save" | "load" for spans under a checkpoint, else None
+    call_id       32 hex chars, made when a "save" / "load" call starts and inherited like
+                  ``checkpoint`` (an async save's background work carries its save's): which call
+                  of this rank the span belongs to; None outside a call. Events of releases
+                  before it lack the field (the dashboard then falls back to timing)
     job run step rank world_size dp tp pp host pid      from set_context()
     bytes path backend op attempt phase                 optional, from span fields
     attrs         every other span field, as a JSON object

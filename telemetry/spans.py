@@ -28,7 +28,7 @@ PROMOTED_KEYS: tuple[str, ...] = ("bytes", "path", "backend", "op", "attempt", "
 MAX_ERROR_CHARS = 500
 
 # Set from the enclosing scope span (see telemetry.schema), never copied into attrs.
-SCOPE_KEYS: tuple[str, ...] = ("checkpoint", "checkpoint_op")
+SCOPE_KEYS: tuple[str, ...] = ("checkpoint", "checkpoint_op", "call_id")
 _TOP_LEVEL = frozenset(PROMOTED_KEYS) | frozenset(CONTEXT_KEYS)
 _SCOPE_NAMES = frozenset(SCOPE_SPANS)
 _SCALARS = (str, int, bool, type(None))
@@ -70,11 +70,13 @@ class _Scope:
     """The save / load a span works for: shared by reference with the spans inside it, so a
     step named after they started (``scope_step``) reaches every event built from then on."""
 
-    __slots__ = ("checkpoint", "op", "pinned", "step")
+    __slots__ = ("call_id", "checkpoint", "op", "pinned", "step")
 
-    def __init__(self, checkpoint: str | None, op: str | None, step: Any) -> None:
+    def __init__(self, checkpoint: str | None, op: str | None, step: Any, call_id: str | None) -> None:
         self.checkpoint = checkpoint
         self.op = op
+        # Which save / load call: the dashboard and alerts group a rank's spans by it.
+        self.call_id = call_id
         # A pinned step overrides the context's; an unpinned scope leaves the context's step.
         self.pinned = step is not None
         self.step = None if step is PENDING_STEP else step
@@ -178,6 +180,13 @@ class Span:
         self._t0 = 0.0
         self._active = False
 
+    @property
+    def call_id(self) -> str | None:
+        """The id of the save / load call this span works for (None outside one, or before
+        the span is entered); pass it as ``call_id=`` to a span that continues the call."""
+        scope = self._scope
+        return scope.call_id if scope is not None else None
+
     def set(self, **fields: Any) -> Span:
         """Add or replace fields, e.g. byte counts only known at the end of the work."""
         self.fields.update(fields)
@@ -235,8 +244,11 @@ class Span:
         # after its "save" span has ended, on threads that cannot see that span.
         self._opens_scope = self.name in _SCOPE_NAMES or "checkpoint_op" in fields
         if self._opens_scope:
+            # A fresh call, unless the span continues one (an async save's background work
+            # passes its save's ``call_id=``).
             self._scope = _Scope(_as_str(fields.get("checkpoint", fields.get("path"))),
-                                 _as_str(fields.get("checkpoint_op", self.name)), fields.get("step"))
+                                 _as_str(fields.get("checkpoint_op", self.name)), fields.get("step"),
+                                 _as_str(fields.get("call_id")) or _new_event_id())
             # list.append is atomic under the GIL; readers only look at the last item.
             _open_scopes.append(self)
             return
@@ -248,7 +260,8 @@ class Span:
             except IndexError:
                 inherited = None
         if "checkpoint" in fields:
-            inherited = _Scope(_as_str(fields["checkpoint"]), inherited.op if inherited else None, None)
+            inherited = _Scope(_as_str(fields["checkpoint"]), inherited.op if inherited else None, None,
+                               inherited.call_id if inherited else None)
         self._scope = inherited
 
     def _restore_parent(self) -> None:
@@ -277,17 +290,18 @@ class Span:
         event.update(columns)
         scope = self._scope
         if scope is None:
-            event["checkpoint"] = event["checkpoint_op"] = None
+            event["checkpoint"] = event["checkpoint_op"] = event["call_id"] = None
         else:
             event["checkpoint"], event["checkpoint_op"] = scope.checkpoint, scope.op
+            event["call_id"] = scope.call_id
             if scope.pinned:  # the checkpoint's step, not the one training has moved on to
                 step = scope.step
                 event["step"] = step if type(step) in _PLAIN_TYPES else _jsonable(step)
         # Extra set_context() fields travel with the event but outside the fixed columns.
         attrs: dict[str, Any] = dict(extras) if extras else {}
         for key, value in self.fields.items():
-            if value is PENDING_STEP:
-                continue
+            if value is PENDING_STEP or (key == "step" and self._opens_scope):
+                continue  # the scope's step, applied above (step=None: training's step)
             if type(value) not in _PLAIN_TYPES:
                 value = _jsonable(value)
             if key in _TOP_LEVEL:

@@ -148,6 +148,7 @@ class _Job:
     cached: Assignment | None = None  # coordinator: the cached round it is writing (its staging)
     # Samples of the replicated boxes taken at save() time (or the error taking them).
     replicas: replicas.Samples | BaseException | None = None
+    call_id: str | None = None  # telemetry: the "save" span's call, continued in the background
 
     def release(self) -> None:
         if self.lock is not None:
@@ -705,7 +706,7 @@ def _finish(job: _Job, assignment: Assignment, hit: bool, sources: _Sources) -> 
         name = "save.background" if job.opts.async_save else "save.finish"
         # Its own checkpoint scope: an async save's "save" span has ended by now, and the
         # writes and commit (on this and the writers' threads) belong to this save and step.
-        with span(name, path=job.url, step=job.opts.step, checkpoint_op="save"):
+        with span(name, path=job.url, step=job.opts.step, checkpoint_op="save", call_id=job.call_id):
             while True:
                 written, error = _write(job, assignment, sources, makedirs=hit)
                 if not hit:
@@ -829,6 +830,7 @@ def _save(url: str, state: dict[str, Any], opts: SaveOptions) -> SaveResult | Sa
         set_context(step=opts.step)
     job = _Job(url, storage, path, comm, opts, t0)
     with span("save", path=url, step=opts.step, async_save=opts.async_save) as total:
+        job.call_id = total.call_id
         t = time.perf_counter()
         local_error: BaseException | None = None
         with span("save.collect"):

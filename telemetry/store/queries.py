@@ -29,11 +29,24 @@ def _rows(client: Any, sql: str, parameters: dict[str, Any]) -> list[dict[str, A
     return list(client.query(sql, parameters=parameters, settings=_SETTINGS).named_results())
 
 
+# The step of each save / load call named by a call id (``telemetry.schema``): that of its
+# first span naming one. A call's spans are counted at its step: an async save with no step=
+# ends its writes and commit at whatever step training has moved on to, and a load's reads
+# before its metadata name none. Spans of earlier releases (no call id) keep their own step.
+_CALL_STEPS = f"""
+SELECT job, run, checkpoint, checkpoint_op, rank, call_id, argMin(step, ts) AS call_step
+FROM {EVENTS} FINAL
+WHERE call_id != '' AND ts >= {{since:DateTime64(6)}} - INTERVAL 2 DAY AND rank IS NOT NULL AND {_FILTERS}
+GROUP BY job, run, checkpoint, checkpoint_op, rank, call_id
+"""
+
+
 def rank_phases(client: Any, since: datetime, *, job: str = "", run: str = "") -> list[dict[str, Any]]:
     """Per (checkpoint, op, step, rank, phase span name) since ``since``: busy seconds, bytes,
     spans, errors, retries. The alert rules' input. The step keeps apart the saves of one path
     (a "latest" checkpoint overwritten every time), which summed together hid a slow rank of
-    the newest save and, behind an earlier commit, a save that never committed.
+    the newest save and, behind an earlier commit, a save that never committed; a span is
+    counted at its call's step (``_CALL_STEPS``).
 
     A span is in the window when it ends after ``since`` (spans started up to a day earlier):
     by its start, the window's edge cut a call between ranks (one rank's save span out, its
@@ -44,10 +57,21 @@ def rank_phases(client: Any, since: datetime, *, job: str = "", run: str = "") -
            countIf(outcome = 'error') AS errors, countIf(ifNull(attempt, 1) > 1) AS retries,
            min(toFloat64(ts)) AS start_ts, max(toFloat64(ts) + duration_s) AS end_ts,
            any(error) AS sample_error, argMax(world_size, ts) AS world_size
-    FROM {EVENTS} FINAL
-    WHERE ts >= {{since:DateTime64(6)}} - INTERVAL 1 DAY
-      AND toFloat64(ts) + duration_s >= toFloat64({{since:DateTime64(6)}})
-      AND rank IS NOT NULL AND {_FILTERS}
+    FROM (
+        SELECT e.job AS job, e.run AS run, e.checkpoint AS checkpoint, e.checkpoint_op AS checkpoint_op,
+               e.rank AS rank, e.name AS name, e.duration_s AS duration_s, e.bytes AS bytes,
+               e.outcome AS outcome, e.attempt AS attempt, e.ts AS ts, e.error AS error,
+               e.world_size AS world_size, if(e.call_id = '', e.step, c.call_step) AS step
+        FROM (
+            SELECT * FROM {EVENTS} FINAL
+            WHERE ts >= {{since:DateTime64(6)}} - INTERVAL 1 DAY
+              AND toFloat64(ts) + duration_s >= toFloat64({{since:DateTime64(6)}})
+              AND rank IS NOT NULL AND {_FILTERS}
+        ) AS e
+        LEFT JOIN ({_CALL_STEPS}) AS c
+        ON e.job = c.job AND e.run = c.run AND e.checkpoint = c.checkpoint
+           AND e.checkpoint_op = c.checkpoint_op AND e.rank = c.rank AND e.call_id = c.call_id
+    )
     GROUP BY job, run, checkpoint, checkpoint_op, step, rank, name
     ORDER BY job, run, checkpoint, checkpoint_op, step, name, rank
     """

@@ -130,10 +130,14 @@ CREATE TABLE IF NOT EXISTS {QUARANTINE} (
 ORDER BY quarantined_at
 """
 
+# The save / load call of each span (``telemetry.schema``); rows of earlier releases get ''.
+_EVENTS_CALL_ID_V3 = f"ALTER TABLE {EVENTS} ADD COLUMN IF NOT EXISTS call_id String DEFAULT ''"
+
 # (version, description, statements). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (1, "events, io_ops and alerts tables", [_EVENTS_V1, _IO_OPS_V1, _ALERTS_V1]),
     (2, "alert webhook outbox and ingest quarantine tables", [_ALERT_OUTBOX_V2, _QUARANTINE_V2]),
+    (3, "events.call_id", [_EVENTS_CALL_ID_V3]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

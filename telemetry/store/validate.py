@@ -24,8 +24,8 @@ INT_COLUMNS: dict[str, tuple[int, int]] = {
 # String columns and their length limits (characters): ids, short labels, free text.
 _ID, _LABEL, _TEXT = 256, 1024, 64 * 1024
 STRING_COLUMNS: dict[str, int] = {
-    "event_id": _ID, "parent_id": _ID, "name": _LABEL, "outcome": _LABEL, "checkpoint_op": _LABEL,
-    "job": _LABEL, "host": _LABEL, "backend": _LABEL, "op": _LABEL, "phase": _LABEL,
+    "event_id": _ID, "parent_id": _ID, "call_id": _ID, "name": _LABEL, "outcome": _LABEL,
+    "checkpoint_op": _LABEL, "job": _LABEL, "host": _LABEL, "backend": _LABEL, "op": _LABEL, "phase": _LABEL,
     "error": _TEXT, "checkpoint": _TEXT, "run": _TEXT, "path": _TEXT,
 }
 ATTRS_MAX_CHARS = 1024 * 1024

@@ -13,7 +13,7 @@ from telemetry.store.validate import BadRecord, clean_event
 EVENT_COLUMNS = (
     "event_id", "name", "ts", "duration_s", "outcome", "error", "parent_id", "checkpoint",
     "checkpoint_op", "job", "run", "step", "rank", "world_size", "dp", "tp", "pp", "host", "pid",
-    "bytes", "path", "backend", "op", "attempt", "phase", "attrs",
+    "bytes", "path", "backend", "op", "attempt", "phase", "attrs", "call_id",
 )
 IO_COLUMNS = (
     "event_id", "ts", "duration_s", "op", "backend", "path", "bytes", "attempt", "outcome", "error",

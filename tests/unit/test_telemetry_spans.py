@@ -25,6 +25,7 @@ EVENT_KEYS = {
     "parent_id",
     "checkpoint",
     "checkpoint_op",
+    "call_id",
     "job",
     "run",
     "step",
@@ -147,6 +148,38 @@ def test_nested_spans_record_parent_id(spool: Path) -> None:
     assert by_name["leaf"]["parent_id"] == inner.event_id
     assert by_name["sibling"]["parent_id"] == outer.event_id
     assert by_name["after"]["parent_id"] is None
+
+
+def test_every_span_of_a_call_carries_its_call_id_and_the_next_call_another(spool: Path) -> None:
+    """Children, worker threads and work that continues the call later (an async save's
+    background: ``checkpoint_op=`` with the call's ``call_id=``) carry the call's id."""
+    def worker() -> None:
+        with telemetry.span("storage.write"):  # no parent in this thread: the open call's
+            pass
+
+    with telemetry.span("save", path="/c/1", step=3) as call:
+        with telemetry.span("save.plan"):
+            with telemetry.span("storage.read", checkpoint="/c/other"):
+                pass
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    with telemetry.span("save.background", path="/c/1", step=3, checkpoint_op="save",
+                        call_id=call.call_id):
+        with telemetry.span("save.commit"):
+            pass
+    with telemetry.span("load", path="/c/1") as other:
+        pass
+    with telemetry.span("train.step"):
+        pass
+
+    events = _events(spool)
+    ids = {ev["name"]: ev["call_id"] for ev in events}
+    assert call.call_id and len(call.call_id) == 32 and other.call_id not in (None, call.call_id)
+    first = ("save", "save.plan", "storage.read", "storage.write", "save.background", "save.commit")
+    assert {name: ids[name] for name in first} == dict.fromkeys(first, call.call_id)
+    assert (ids["load"], ids["train.step"]) == (other.call_id, None)
+    assert all("call_id" not in ev["attrs"] for ev in events)
 
 
 def test_context_override_is_scoped(spool: Path) -> None:
