@@ -92,12 +92,29 @@ class StorageError(CheckpointError):
     """A storage backend operation failed."""
 
 
+class ColdTierUnavailableError(StorageError):
+    """A cooled checkpoint's files link into a cold tier that is not there now (its disk is
+    unmounted, or the cold root was moved). The checkpoint is committed and intact; its bytes
+    are unreachable until the cold tier is mounted again where the links point. ``missing`` is
+    the first cold path found missing."""
+
+    def __init__(self, message: str, *, missing: str | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 class TransientStorageError(StorageError):
     """A storage operation failed in a way that may succeed on retry (network, throttling).
     ``server_busy``: the server asked for fewer requests (S3's SlowDown, a 503), so retries wait
     longer."""
 
     server_busy: bool = False
+
+
+class StorageTimeoutError(TransientStorageError):
+    """A storage server did not accept a connection, or did not answer a request, within the
+    configured timeout (a hung server, a black-holed address); the message names the server,
+    the timeout and the setting that sets it. Retried like any transient failure."""
 
 
 class PermanentStorageError(StorageError):

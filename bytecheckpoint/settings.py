@@ -160,6 +160,10 @@ REGISTRY = registry("bytecheckpoint", "Library: every process that saves or load
     Setting("BCP_STORAGE_FAULTS", "bytecheckpoint/storage/faults.py", "",
             "fault injection for tests (never set in production)"),
     Setting("BCP_S3_ENDPOINT", _S3, "", "S3-compatible endpoint, http://host:port (else AWS)"),
+    Setting("BCP_S3_CONNECT_TIMEOUT_S", _S3, "5", "seconds to open a connection to the S3 endpoint"),
+    Setting("BCP_S3_REQUEST_TIMEOUT_S", _S3, "20",
+            "seconds an S3 request may go without receiving a byte (whole seconds) before the "
+            "attempt fails naming the endpoint (then retried as BCP_STORAGE_RETRY_* say)"),
     Setting("AWS_ENDPOINT_URL_S3", _S3, "", "S3 endpoint, the AWS SDK's name (after BCP_S3_ENDPOINT)"),
     Setting("AWS_ENDPOINT_URL", _S3, "", "S3 endpoint, the AWS SDK's generic name"),
     Setting("AWS_REGION", _S3, "", "S3 region"),

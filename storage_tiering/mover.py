@@ -192,6 +192,24 @@ def _refuse_foreign_links(ckpt_path: str, todo: list[str], cold_root: str) -> No
                             "service per hot tier, with one cold tier")
 
 
+def _unlink_logged(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        log.error("tiering: could not remove %s (the next pass's recovery will): %s", path, exc)
+        return False
+    return True
+
+
+def _refuse_read_only_hot(ckpt_path: str) -> None:
+    """The remap writes in the checkpoint directory and its run directory: on a read-only hot
+    tier (or without write permission) refuse before copying a byte, not after the whole copy."""
+    for d in (ckpt_path, os.path.dirname(ckpt_path)):
+        if not os.access(d, os.W_OK):
+            raise MoveError(f"{d} is not writable (a read-only mount, or no write permission): {ckpt_path} "
+                            "cannot be remapped to its cold copy; not moved, nothing copied")
+
+
 class Mover:
     """Moves checkpoints from ``hot_root`` to ``cold_root`` (local directories or mounts)."""
 
@@ -288,6 +306,7 @@ class Mover:
               dir_fd: int, t0: float, ev: Span) -> MoveResult:
         todo = [n for n in files if not is_cold_link(os.path.join(ckpt.path, n), self.cold_root)]
         ev.set(files=len(todo))
+        _refuse_read_only_hot(ckpt.path)
         _refuse_foreign_links(ckpt.path, todo, self.cold_root)
         self._refuse_existing_cold(ckpt.path, todo)
         cold_files = [self.cold_path(os.path.join(ckpt.path, n)) for n in todo]
@@ -308,11 +327,11 @@ class Mover:
             # A reader, a pin or latest may have come while we copied: leave it the hot
             # copy. (A save over the path meanwhile is caught by the remap, file by file.)
             self._still_movable(ckpt.path, "the scan", "not remapped")
+            scratch = scratch_dir(ckpt.path, move_id)
+            os.makedirs(scratch)  # a hot tier that refuses it aborts here, every hot file untouched
         except BaseException as exc:
             self._abort(move_id, todo, ckpt.path, exc, placed)
             raise
-        scratch = scratch_dir(ckpt.path, move_id)
-        os.makedirs(scratch)
         for c in copied:
             self._remap(c, scratch, move_id, dir_fd)
             self.on_step("remap")
@@ -387,14 +406,25 @@ class Mover:
                placed: list[_Placed]) -> None:
         """Remove what this move wrote: its temporary files, and the cold copies it put in
         place (never a cold file that was there before it)."""
+        # What cannot be removed now (a cold tier gone read-only) is left to the next pass's
+        # recovery, which knows these files by the journal: the move's own error is reported.
+        left = 0
         for n in todo:
             tmp = cold_tmp(self.cold_path(os.path.join(ckpt, n)), move_id)
             if os.path.lexists(tmp):
-                os.unlink(tmp)
+                left += not _unlink_logged(tmp)
         for p in placed:
             if p.still_there():
-                os.unlink(p.cold_file)
-        self.journal.append(move_id, "move", "aborted", error=f"{type(exc).__name__}: {exc}"[:500])
+                left += not _unlink_logged(p.cold_file)
+        if left:
+            return  # its record stays unfinished: the next pass's recovery removes them
+        try:
+            self.journal.append(move_id, "move", "aborted", error=f"{type(exc).__name__}: {exc}"[:500])
+        except OSError as journal_exc:
+            # A full or read-only cold tier: the move's own error is the one to report. Its record
+            # stays unfinished, and the next pass's recovery finds nothing left to undo.
+            log.error("tiering: move %s aborted (%s); its journal record could not be closed: %s",
+                      move_id, exc, journal_exc)
 
 
 def recover(hot_root: str, cold_root: str, journal: Journal) -> int:
@@ -417,11 +447,16 @@ def recover(hot_root: str, cold_root: str, journal: Journal) -> int:
                 log.warning("tiering: journal record %r of %s skipped, nothing done: %s", rec_id,
                             str(rec.get("checkpoint"))[:300], plan)
                 continue
-        with span("tiering.recover", checkpoint=rec.get("checkpoint"), op=op, move_id=rec_id):
-            if isinstance(plan, _MovePlan):
-                _recover_move(hot_root, cold_root, plan)
-            elif op == "delete":
-                recover_deletion(hot_root, cold_root, rec)
+        try:
+            with span("tiering.recover", checkpoint=rec.get("checkpoint"), op=op, move_id=rec_id):
+                if isinstance(plan, _MovePlan):
+                    _recover_move(hot_root, cold_root, plan)
+                elif op == "delete":
+                    recover_deletion(hot_root, cold_root, rec)
+        except OSError as exc:  # a tier read-only or full for now: left unfinished, tried next pass
+            log.error("tiering: %s %r of %s not resolved now, the next pass tries again: %s", op, rec_id,
+                      str(rec.get("checkpoint"))[:300], exc)
+            continue
         journal.append(rec_id, op, "recovered")
         count += 1
     return count

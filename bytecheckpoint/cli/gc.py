@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import posixpath
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -113,6 +114,24 @@ def _check_tiers(hot: str, cold_root: str | None) -> None:
                              "(the cold tier is a separate directory the hot files link into)")
 
 
+def _refuse_unmounted_cold(checkpoints: Sequence[Any], cold_root: str | None) -> None:
+    """With --cold, refuse while checkpoints link to cold files missing from it: the cold disk is
+    unmounted (its mount point left empty). The lock and the journal of deletions would go into
+    the mount point, hidden under the disk once it is mounted again."""
+    if cold_root is None:
+        return
+    from ..errors import ColdTierUnavailableError
+    from ..manage.catalog import inside
+
+    real = os.path.realpath(cold_root)
+    missing = [c.unreachable for c in checkpoints if c.unreachable and inside(c.unreachable, real)]
+    if missing:
+        raise ColdTierUnavailableError(
+            f"--cold {cold_root} lacks {len(missing)} cold file(s) that checkpoints link to, e.g. "
+            f"{missing[0]}: is the cold disk mounted? Nothing was deleted. Mount it and run gc again "
+            "(without --cold, gc keeps those checkpoints and may delete hot ones)", missing=missing[0])
+
+
 def _keep_cold_copies(decisions: list[Any]) -> list[Any]:
     """A checkpoint under ROOT that lies in a cold tier (ROOT holds both tiers) is kept: it is
     the bytes of a hot checkpoint, deleted only with it."""
@@ -183,6 +202,32 @@ def _delete_all(doomed: list[Any], root: Any, hot_root: str, cold_root: str | No
     return deleted, failed
 
 
+def _dead_saves(root: Any, checkpoints: Sequence[Any], act: bool) -> list[tuple[str, bool]]:
+    """The staging entries (``.<name>.staging-<id>``) in ROOT and its runs, each with whether it
+    was deleted: with ``act``, those of saves whose writer is dead (its save lock is free, see
+    ``protocol.reclaim_dead_saves``); a dry run deletes nothing and lists them all."""
+    from ..commit.protocol import reclaim_dead_saves
+    from ..commit.save_lock import STAGING_TAG
+    from ..storage import CommitMode
+
+    if root.storage.commit_mode is not CommitMode.RENAME:
+        return []  # object stores: a crashed save's files go with the next save to its path
+    runs = sorted({root.path} | {posixpath.dirname(c.path) for c in checkpoints})
+    out: list[tuple[str, bool]] = []
+    for run in runs:
+        try:
+            found = [posixpath.join(run, n) for n in root.storage.list_dir(run)
+                     if n.startswith(".") and STAGING_TAG in n
+                     and (root.one is None or n.startswith(f".{root.one}{STAGING_TAG}"))]
+        except OSError:
+            continue
+        if not found:
+            continue
+        gone = set(reclaim_dead_saves(root.storage, run, only=root.one)) if act else set()
+        out += [(p, p in gone) for p in found]
+    return out
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from ..manage.deletion import reclaimable_bytes
     from .roots import list_checkpoints, open_ls_root
@@ -199,8 +244,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     cold_root = cold_arg(root, args.cold)
     if root.local:
         _check_tiers(root.path, cold_root)
-    decisions = plan_gc(list_checkpoints(root, cold_root), keep_last=args.keep_last,
-                        keep_every=args.keep_every)
+    checkpoints = list_checkpoints(root, cold_root)
+    _refuse_unmounted_cold(checkpoints, cold_root)
+    # First what killed saves left (staging holds RAM on shm://): what they leave beside a
+    # committed checkpoint also marks it as "a save is being written", which keeps it.
+    staging = _dead_saves(root, checkpoints, args.yes)
+    if any(reclaimed for _, reclaimed in staging):
+        checkpoints = list_checkpoints(root, cold_root)
+    decisions = plan_gc(checkpoints, keep_last=args.keep_last, keep_every=args.keep_every)
     if root.local:
         decisions = _keep_cold_copies(decisions)
     decisions.sort(key=lambda d: step_key(d.checkpoint))
@@ -227,8 +278,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
                              "action": "delete" if d.delete else "keep", "reason": d.reason,
                              "deleted": d.checkpoint.path in deleted} for d in decisions],
             "bytes_freed": freed, "failed": failed,
+            "staging": [{"path": p, "reclaimed": r} for p, r in staging],
         })
     else:
+        for path, reclaimed in staging:
+            print(f"{'reclaimed' if reclaimed else 'staging':<13} {path:<40} " + (
+                "(left by a save that is over)" if reclaimed else
+                "(a save's staging: gc --yes deletes it if that save is dead)"))
         verb = "deleted" if act else "would delete"
         for d in decisions:
             c = d.checkpoint
@@ -239,7 +295,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             else:
                 label = verb if c.path in deleted or not act else "FAILED"
             print(f"{label:<13} {os.path.normpath(os.path.join(c.run, c.name)):<40} "
-                  f"step={c.step!s:<8} {human(c.size) if c.committed else '-':>10}  ({d.reason})")
+                  f"step={c.step!s:<8} {human(c.size) if c.committed and c.files else '-':>10}  ({d.reason})")
         print(f"{verb} {len(deleted) if act else len(doomed)} checkpoint(s), {human(freed)} "
               f"{'freed' if act else 'would be freed'}" + ("" if act else "; pass --yes to delete"))
         for path, err in failed.items():

@@ -41,10 +41,13 @@ def _ls_rows(root: Any, checkpoints: list[Any], now: float) -> list[dict[str, An
             "tier": ("staging" if c.staging else c.state) if not c.committed else c.tier,
             "age_s": round(now - c.modified, 3), "latest": c.latest, "pinned": c.pinned,
             "being_read": c.being_read, "problem": c.problem, "abandoned": c.abandoned,
+            "unreachable": c.unreachable,
         }
         if c.newer_format:  # committed by a newer release: not a crashed save
             row.update(committed=True, newer_format=True, files=0)
-        if c.committed:
+        if c.unreachable is not None:  # committed, its bytes in a cold tier that is not mounted
+            row.update(tier=c.state, size=c.size if c.files else None)  # None: unknown
+        if c.committed and c.files:  # no files: its metadata is in that cold tier
             try:
                 meta = root.metadata(c)
                 row.update(framework=meta.framework, world_size=meta.world_size, layout=meta.layout,
@@ -70,12 +73,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     cells = []
     for r in rows:
         flags = ",".join(f for f, on in (("latest", r["latest"]), ("abandoned", r["abandoned"]),
-                                         ("pinned", r["pinned"]),
-                                         ("reading", r["being_read"]), ("unclassified", r["problem"]))
+                                         ("pinned", r["pinned"]), ("reading", r["being_read"]),
+                                         ("unclassified", r["problem"] and not r["unreachable"]))
                          if on)
+        sized = r["committed"] and not r.get("newer_format") and r["size"] is not None
         cells.append([os.path.normpath(os.path.join(r["run"], r["name"])),
                       "-" if r["step"] is None else r["step"],
-                      human(r["size"]) if r["committed"] and not r.get("newer_format") else "-",
+                      human(r["size"]) if sized else "-",
                       r["files"] or "-", r.get("layout_text") or "-", r["framework"] or "-",
                       "yes" if r["committed"] else "no", r["tier"], age(r["age_s"]), flags])
     print(table(["CHECKPOINT", "STEP", "SIZE", "FILES", "WORLD", "FRAMEWORK", "COMMITTED", "TIER", "AGE",

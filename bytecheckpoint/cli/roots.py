@@ -43,7 +43,9 @@ def open_ls_root(url: str) -> Root:
     else:
         path = path.rstrip("/")
         given = url
-    if storage.exists(posixpath.join(path, METADATA_FILE)):
+    meta = posixpath.join(path, METADATA_FILE)
+    # A cooled checkpoint whose cold tier is not mounted: its metadata is a link to nothing.
+    if storage.exists(meta) or (local and os.path.islink(meta)):
         parent, name = posixpath.split(path)
         return Root(given, storage, parent, local, name)
     return Root(given, storage, path, local)

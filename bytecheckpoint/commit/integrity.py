@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..errors import CorruptCheckpointError, NotACheckpointError, NotARegularFileError, StorageIOError
+from ..errors import (
+    ColdTierUnavailableError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    NotARegularFileError,
+    StorageIOError,
+)
 from ..format.checksums import bad_chunks
 from ..format.file_headers import Entry, expected_entries, header_problem, padding_limit
 from ..format.metadata import METADATA_FILE, ByteMeta, CheckpointMetadata
@@ -57,13 +63,28 @@ def _find(storage: Storage, path: str) -> str | None:
     return repair(storage, target)
 
 
-def dangling_metadata_link(storage: Storage, path: str) -> str | None:
-    """Where the metadata of the local checkpoint at ``path`` links to, when it is a link (the
-    checkpoint was cooled) to nothing; else None."""
-    local = local_os_path(storage, posixpath.join(path, METADATA_FILE))
+def dangling_link(storage: Storage, full: str) -> str | None:
+    """Where the local file ``full`` links to, when it is a link (its checkpoint was cooled) to
+    nothing; else None."""
+    local = local_os_path(storage, full)
     if local is None or not os.path.islink(local) or os.path.exists(local):
         return None
     return os.path.realpath(local)
+
+
+def dangling_metadata_link(storage: Storage, path: str) -> str | None:
+    """Where the metadata of the local checkpoint at ``path`` links to, when it is a link to
+    nothing; else None."""
+    return dangling_link(storage, posixpath.join(path, METADATA_FILE))
+
+
+def cold_tier_unavailable(url: str, missing: str) -> ColdTierUnavailableError:
+    """The error for a cooled checkpoint whose cold copy at ``missing`` is not there: committed
+    and intact, not corrupt; its cold tier is not mounted (or was moved)."""
+    return ColdTierUnavailableError(
+        f"{url} links to {missing}, which is not there: the checkpoint is committed and was cooled to "
+        "a cold tier that is not mounted now (or was moved). Mount the cold tier again where the links "
+        "point, then load it; nothing was read", missing=missing)
 
 
 def resolve(url: str) -> tuple[Storage, str]:
@@ -82,6 +103,10 @@ def resolve(url: str) -> tuple[Storage, str]:
         return dcp, path
     latest = read_latest(storage, path)
     if latest is not None:
+        missing = dangling_metadata_link(storage, posixpath.join(path, latest.name))
+        if missing is not None:
+            raise cold_tier_unavailable(f"{url}: the latest pointer names {latest.name!r}, whose "
+                                        f"{METADATA_FILE}", missing)
         raise NotACheckpointError(
             f"{url}: the latest pointer names {latest.name!r}, which holds no committed "
             "checkpoint (it was deleted or moved); load a specific checkpoint instead"
@@ -103,10 +128,7 @@ def resolve(url: str) -> tuple[Storage, str]:
         )
     missing = dangling_metadata_link(storage, path)
     if missing is not None:
-        raise NotACheckpointError(
-            f"{url}: its {METADATA_FILE} links to {missing}, which is not there: the checkpoint was "
-            "cooled to a cold tier that is missing now (unmounted or moved?). Mount the cold tier again "
-            "(or put it back where the links point), then load it")
+        raise cold_tier_unavailable(f"{url}: its {METADATA_FILE}", missing)
     if storage.is_dir(path):
         raise NotACheckpointError(
             f"{url} is not a checkpoint: it has no {METADATA_FILE} (written when a save commits)"
@@ -165,6 +187,9 @@ def file_problem(storage: Storage, path: str, meta: CheckpointMetadata, name: st
     try:
         size = storage.size(full)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        missing = dangling_link(storage, full)
+        if missing is not None:  # cooled, its cold tier unmounted: not damaged, unreachable
+            raise cold_tier_unavailable(storage.url(full), missing) from None
         return f"{storage.url(full)}: storage file is missing from the checkpoint"
     except NotARegularFileError:  # a FIFO or device in its place: never opened, so never a hang
         return f"{storage.url(full)}: is not a regular file (a FIFO, socket or device took its place)"

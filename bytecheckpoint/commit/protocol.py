@@ -45,7 +45,13 @@ from dataclasses import dataclass
 import msgpack
 import xxhash
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
 from ..format.metadata import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -327,6 +333,60 @@ def _dead_entries(storage: Storage, path: str, lock: SaveLock) -> list[str]:
     return dead
 
 
+def reclaim_dead_saves(storage: Storage, parent: str, skip: str = "", only: str | None = None
+                       ) -> list[str]:
+    """Delete the staging entries in ``parent`` of saves to any path there (``only`` that name)
+    whose writer is dead (killed: a shm:// one holds RAM until reclaimed), except those of
+    ``skip``; return them.
+
+    A path's save lock says whether its writer lives (the kernel drops a dead one's ``flock``;
+    elsewhere its lease lapses): each path with staging is locked for as long as deciding takes,
+    so a live save is never touched, and what it decided is deleted after the lock is given back
+    (a dead save stays dead; a save starting meanwhile writes under another id). Never raises:
+    what it cannot remove is logged and stays for the next save, load or gc."""
+    if storage.commit_mode is not CommitMode.RENAME or storage.scheme == "mem":
+        return []  # object stores: the next save to the path (owner records); mem: one process
+    try:
+        entries = storage.list_dir(parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        log.warning("could not look for crashed saves' staging in %s: %s", storage.url(parent), exc)
+        return []
+    names = sorted({e[1:].split(STAGING_TAG)[0] for e in entries
+                    if e.startswith(".") and STAGING_TAG in e} - {skip})
+    if only is not None:
+        names = [n for n in names if n == only]
+    reclaimed: list[str] = []
+    for name in names:
+        try:
+            dead = _dead_of(storage, posixpath.join(parent, name))
+        except (CheckpointError, OSError) as exc:  # a look-alike name, or storage trouble
+            log.warning("could not check the staging of saves to %s: %s",
+                        storage.url(posixpath.join(parent, name)), exc)
+            continue
+        for leftover in dead:
+            try:
+                storage.delete(leftover)
+                reclaimed.append(leftover)
+            except Exception as exc:  # noqa: BLE001 - the next save, load or gc tries again
+                log.warning("could not reclaim %s, left by a save that is over: %s",
+                            storage.url(leftover), exc)
+    return reclaimed
+
+
+def _dead_of(storage: Storage, path: str) -> list[str]:
+    """The staging entries of saves to ``path`` that are over; none while a save holds it."""
+    split_checkpoint_path(path)
+    lock = save_lock.try_acquire(storage, path, f"{save_lock.BRIEF_PREFIX}{uuid.uuid4().hex[:8]}")
+    if lock is None:
+        return []  # a live save holds the path: all of it may be that save's
+    try:
+        return _dead_entries(storage, path, lock)
+    finally:
+        lock.release()
+
+
 def _restore_replaced(storage: Storage, path: str) -> str | None:
     """Under the save lock: finish what a commit that died part-way left. Returns the path of
     the checkpoint put back, if one was."""
@@ -361,7 +421,7 @@ def repair(storage: Storage, path: str, wait_s: float = 2.0) -> str | None:
     while True:
         if storage.exists(meta):
             return path  # a live commit just finished its second rename
-        lock = save_lock.try_acquire(storage, path, f"repair-{uuid.uuid4().hex[:8]}")
+        lock = save_lock.try_acquire(storage, path, f"{save_lock.BRIEF_PREFIX}{uuid.uuid4().hex[:8]}")
         if lock is not None:
             try:
                 dead = _dead_entries(storage, path, lock)
@@ -447,6 +507,9 @@ def prepare_target(storage: Storage, path: str, overwrite: bool, lock: SaveLock)
     committed = check_target(storage, path, overwrite)
     for leftover in dead:
         storage.delete(leftover)  # left by a save that is over (crashed, or a dead lease)
+    if not marker:  # and beside it: a killed save's staging to another path of the root
+        parent, name = split_checkpoint_path(path)
+        reclaim_dead_saves(storage, parent, skip=name)
     return committed
 
 
@@ -668,24 +731,30 @@ def _clear_stale_pointer_temps(storage: Storage, parent: str) -> None:
     under the pointer lock, so no writer of this host is between the two). A writer on another
     host may not share the lock, so only a plain file untouched for a whole save lease
     (``BCP_SAVE_LEASE_S``) goes: its writer renames it milliseconds after writing it."""
-    local = save_lock.local_os_path(storage, parent)
-    if local is None:
+    if save_lock.local_os_path(storage, parent) is None:
         return
     try:
-        names = os.listdir(local or ".")
+        # By name in a directory open and checked (shm://): one swapped for a link meanwhile
+        # is never where anything is removed.
+        fd = save_lock.open_dir(storage, parent)
     except OSError:
         return
-    cutoff = time.time() - save_lock.lease_seconds()
-    for name in names:
-        if not _POINTER_TEMP_RE.fullmatch(name):
-            continue
-        full = os.path.join(local, name)
-        try:
-            st = os.lstat(full)
-            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                os.unlink(full)
-        except OSError:
-            continue  # gone meanwhile, or not ours to remove
+    try:
+        names = os.listdir(fd)
+        cutoff = time.time() - save_lock.lease_seconds()
+        for name in names:
+            if not _POINTER_TEMP_RE.fullmatch(name):
+                continue
+            try:
+                st = os.lstat(name, dir_fd=fd)
+                if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                    os.unlink(name, dir_fd=fd)
+            except OSError:
+                continue  # gone meanwhile, or not ours to remove
+    except OSError:
+        return
+    finally:
+        os.close(fd)
 
 
 def update_latest(storage: Storage, final: str, step: int | None, save_id: str) -> bool:

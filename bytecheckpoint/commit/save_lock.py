@@ -46,6 +46,10 @@ HEARTBEAT_ENV = "BCP_SAVE_HEARTBEAT_S"
 DEFAULT_LEASE_S = 300.0
 DEFAULT_HEARTBEAT_S = 30.0
 _MAX_RECORD = 64 << 10
+# The save ids of holders that keep a path's lock for milliseconds (a reader repairing a crashed
+# commit, a save or gc reclaiming a dead save's staging): a save that meets one waits it out.
+BRIEF_PREFIX = "brief-"
+BRIEF_WAIT_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +195,7 @@ class SaveLock:
         self.storage, self.path, self.save_id, self._key = storage, path, save_id, key
         self.owner = owner_doc(save_id)
         self._fd: int | None = None
+        self._dir_fd: int | None = None  # the lock file's directory (local disk)
         self._lock_file: str | None = None
         self._record: str | None = None
         # Local disk: what the lock file said when we took it. Its holder unlinks it when done,
@@ -201,24 +206,31 @@ class SaveLock:
         self.released = False
 
     # -- local: flock -------------------------------------------------------------------------
-    def _take_flock(self, lock_file: str) -> None:
-        os.makedirs(os.path.dirname(lock_file) or ".", exist_ok=True)
-        while True:
-            fd = _open_lock_file(lock_file)
-            try:
-                import fcntl
+    def _take_flock(self, dir_fd: int, lock_file: str) -> None:
+        """Lock ``lock_file``, acting on it only by its name in the directory open on ``dir_fd``
+        (which this lock keeps, and closes on release): a directory on the way to it that is
+        swapped for a link meanwhile is never followed."""
+        import fcntl
 
+        name = os.path.basename(lock_file)
+        deadline = time.monotonic() + BRIEF_WAIT_S
+        while True:
+            fd = _open_lock_file(lock_file, dir_fd)
+            try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 held = exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
                 doc = _read_fd(fd) if held else None
                 os.close(fd)
-                if held:
-                    raise _busy(self.storage, self.path, doc, None) from None
-                raise
+                if not held:
+                    raise
+                if _brief_holder(doc) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                raise _busy(self.storage, self.path, doc, None) from None
             # Its last holder may have unlinked the file between our open and our lock.
             try:
-                same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+                same = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -233,7 +245,7 @@ class SaveLock:
             # lets the next holder spot a crash sooner). A full disk must not refuse the lock:
             # that would keep `bcp gc` from freeing space and fail a save with no named error.
             log.warning("save lock %s taken without its owner record (%s)", lock_file, exc)
-        self._fd, self._lock_file = fd, lock_file
+        self._fd, self._dir_fd, self._lock_file = fd, dir_fd, lock_file
 
     # -- elsewhere: a lease record with a heartbeat ----------------------------------------------
     def _take_lease(self) -> None:
@@ -296,26 +308,54 @@ class SaveLock:
             self._thread.join(timeout=5)
         self._drop_record()
         if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._lock_file)  # unlinked while still locked: see _take_flock
+            with contextlib.suppress(OSError):  # unlinked while still locked: see _take_flock
+                os.unlink(os.path.basename(self._lock_file), dir_fd=self._dir_fd)
             os.close(self._fd)
             self._fd = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
         with _HELD_LOCK:
             if _HELD.get(self._key) is self:
                 del _HELD[self._key]
 
 
-def _open_lock_file(lock_file: str) -> int:
-    """Open (create) a lock file, never through a symbolic link planted at its path: the
-    holder truncates and rewrites it, which would clobber whatever file the link names."""
+def open_dir(storage: Storage, path: str) -> int:
+    """A descriptor of the directory ``path`` of local ``storage`` (made if missing), for acting
+    in it by name: on shm:// checked to lie inside its root (``SharedMemoryStorage.open_dir``)."""
+    inner = storage
+    while isinstance(inner, StorageWrapper):
+        inner = inner.inner
+    opener = getattr(inner, "open_dir", None)
+    if opener is not None:
+        return opener(path)
+    local = local_os_path(storage, path) or "."
+    os.makedirs(local, exist_ok=True)
+    return os.open(local, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _open_lock_file(lock_file: str, dir_fd: int) -> int:
+    """Open (create) a lock file by its name in ``dir_fd``, never through a symbolic link
+    planted there: the holder truncates and rewrites it, which would clobber whatever file the
+    link names."""
     try:
-        return os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        return os.open(os.path.basename(lock_file), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644,
+                       dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
         raise StorageIOError(f"{lock_file} is a symbolic link, not a save lock; remove it (what it "
                              "points to was not touched)", op="lock", path=lock_file,
                              errno=exc.errno) from None
+
+
+def _brief_holder(doc: dict[str, Any] | None) -> bool:
+    """Whether the lock's holder, by the record in its file, lets go within milliseconds: one
+    of ``BRIEF_PREFIX``, or one that has not written its own record yet (the file is empty, or
+    still names a save whose process is dead)."""
+    if doc is None:
+        return True
+    return str(doc.get("save_id", "")).startswith(BRIEF_PREFIX) or not record_alive(doc)
 
 
 def _read_fd(fd: int) -> dict[str, Any] | None:
@@ -384,10 +424,14 @@ def acquire(storage: Storage, path: str, save_id: str) -> SaveLock:
         if local is not None:
             parent, name = os.path.split(local.rstrip(os.sep))
             lock_file = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
+            dir_fd = None
             try:
-                lock._take_flock(lock_file)
-            except OSError as exc:
-                if isinstance(exc, StorageIOError):
+                dir_fd = open_dir(storage, _split(path)[0])
+                lock._take_flock(dir_fd, lock_file)
+            except BaseException as exc:
+                if dir_fd is not None and lock._dir_fd is None:
+                    os.close(dir_fd)
+                if not isinstance(exc, OSError) or isinstance(exc, StorageIOError):
                     raise
                 raise os_failure("lock", lock_file, exc) from exc  # a full disk, no descriptors
         elif uses_leases(storage):
@@ -424,14 +468,13 @@ def pointer_lock(storage: Storage, root: str, timeout_s: float = 30.0) -> Iterat
     """Serialise read-compare-replace of ``<root>/latest`` between savers on local disk (saves
     to different paths of one root), so an older step never replaces a newer one. Elsewhere
     the pointer is replaced by one atomic write without this lock."""
-    local = local_os_path(storage, root)
     if not pointer_locked(storage, root):
         yield
         return
     import fcntl
 
     # The root directory itself is the lock (flock works on a directory): no file is left.
-    fd = os.open(local or ".", os.O_RDONLY | os.O_DIRECTORY)
+    fd = open_dir(storage, root)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

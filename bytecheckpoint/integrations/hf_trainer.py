@@ -25,12 +25,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import bytecheckpoint as bcp
 from bytecheckpoint.errors import CheckpointError, MissingKeysError, NotACheckpointError
+from bytecheckpoint.storage import open_storage
 
 from .rng import KeptRNG
 
@@ -40,6 +43,18 @@ try:
 except ImportError as exc:  # the extra is not installed
     raise ImportError("bytecheckpoint.integrations.hf_trainer needs transformers: "
                       "pip install 'bytecheckpoint[transformers]' (transformers 5)") from exc
+
+
+# Callbacks of this process whose manager is open (under _OPEN_LOCK): a new train() on the same
+# root ends the one whose train() stopped on an error outside the callback's hooks.
+_OPEN: weakref.WeakSet[BytecheckpointCallback] = weakref.WeakSet()
+_OPEN_LOCK = threading.Lock()
+
+
+def _root_url(root: str) -> str:
+    """The root's URL as its CheckpointManager names it."""
+    storage, path = open_storage(root)
+    return storage.url(path.rstrip("/") or path)
 
 
 class BytecheckpointCallback(TrainerCallback):
@@ -60,12 +75,35 @@ class BytecheckpointCallback(TrainerCallback):
         self.manager: Any = None
         self._rng: KeptRNG | None = None  # to put back at the first step of a mid-epoch resume
         self._total_limit: int | None = None  # the Trainer's save_total_limit, applied here
+        self._args: Any = None  # those of the train() running (its save_total_limit is ours)
+        self._thread: threading.Thread | None = None  # the thread running this callback's train()
+
+    def _root(self, args: Any) -> str:
+        return self.root or os.path.join(args.output_dir, "bytecheckpoint")
 
     def _manager(self, args: Any) -> Any:
         if self.manager is None:
-            root = self.root or os.path.join(args.output_dir, "bytecheckpoint")
-            self.manager = bcp.CheckpointManager(root, retention=self.retention, async_save=self.async_save)
+            self.manager = bcp.CheckpointManager(self._root(args), retention=self.retention,
+                                                 async_save=self.async_save)
+            with _OPEN_LOCK:
+                _OPEN.add(self)
         return self.manager
+
+    def _end_stale(self, args: Any) -> None:
+        """End the manager another callback of this process left open on our root because its
+        train() stopped on an error outside the callback's hooks (on_train_end never came), so
+        that this train() may save there. Only where that train() cannot still run: it was on
+        this thread (which is in this train() now) or on one that has ended. One on another
+        live thread may be saving: the manager's two-writers refusal stands."""
+        url = _root_url(self._root(args))
+        me = threading.current_thread()
+        with _OPEN_LOCK:
+            others = [c for c in _OPEN if c is not self]
+        for other in others:
+            manager, thread = other.manager, other._thread
+            if manager is not None and manager.url == url and (
+                    thread is None or thread is me or not thread.is_alive()):
+                other._end(other._args)
 
     @staticmethod
     def _state(model: Any, optimizer: Any, lr_scheduler: Any, rng: bcp.RNGState) -> dict[str, Any]:
@@ -108,7 +146,9 @@ class BytecheckpointCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self.manager is not None:
-            self._end(args)  # an earlier train() of this callback stopped on an error
+            self._end(self._args or args)  # an earlier train() of this callback stopped on an error
+        self._end_stale(args)
+        self._args, self._thread = args, threading.current_thread()
         self._take_over_rotation(args)
         if state.global_step == 0:
             return  # a fresh run (the Trainer resumed nothing)
@@ -146,6 +186,9 @@ class BytecheckpointCallback(TrainerCallback):
         """This train() is over: free the root (another Trainer of this process may use it) and
         give the Trainer its ``save_total_limit`` back."""
         manager, self.manager = self.manager, None
+        self._thread = None
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
         if manager is not None:
             try:
                 manager.close()  # a save still in flight commits, or its error is named here

@@ -42,7 +42,7 @@ from ..format.metadata_file import read_metadata_bytes
 from ..storage import Storage, open_storage, split_url
 from ..storage.local import LocalStorage
 from .protection import untouchable_reason
-from .records import CheckpointInfo
+from .records import COLD_UNREACHABLE, CheckpointInfo
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class _Read:
     problem: str | None
     identity: bytes = b""  # xxh3-128 of the metadata bytes (``integrity.metadata_identity``)
     newer: bool = False  # committed, in a format newer than this release reads
+    missing: str | None = None  # the metadata links to this cold path, which is not there
 
 
 def _cooled_link(full: str, ckpt_dir: str, cold_root: str | None) -> bool:
@@ -114,6 +115,9 @@ class Catalog:
         try:
             size = self.storage.size(meta_path)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            missing = _dangling(self._local(meta_path))
+            if missing is not None:  # cooled, and its cold tier is not mounted: still committed
+                return _Read(None, 0, unreachable_problem(missing), missing=missing)
             return None
         except OSError as exc:  # e.g. a metadata path that is a directory on some backends
             return _Read(None, 0, f"unreadable metadata ({str(exc)[:200]})")
@@ -225,6 +229,10 @@ class Catalog:
             pinned=details and is_pinned(self.storage, path),
             being_read=leased and is_being_read(self.storage, path))
         problem = latest_problem or (read.problem if read is not None else None)
+        if read is not None and read.missing is not None:
+            return _Built(CheckpointInfo(step=None, time=0.0, size=0, tier=COLD_UNREACHABLE, problem=problem,
+                                         modified=_mtime_of_entries(local), unreachable=read.missing,
+                                         **common), None)
         if read is None or read.meta is None:
             # A newer format's checkpoint counts as uncommitted here (nothing this release can
             # classify) but says what it is; its ``problem`` keeps gc and tiering off it.
@@ -237,7 +245,7 @@ class Catalog:
         step, step_problem = check_step(meta.step)
         when, time_problem = check_time(meta.created_at)
         files = tuple(f.name for f in meta.files) + (METADATA_FILE,)
-        modified, cold = when, 0
+        modified, cold, missing = when, 0, None
         if local is not None:
             modified = 0.0  # the metadata file is written last, so its mtime is the commit time
             for n in files:
@@ -245,9 +253,13 @@ class Catalog:
                 try:
                     modified = max(modified, os.stat(full).st_mtime)  # a cold copy keeps the hot mtime
                 except FileNotFoundError:
-                    pass  # a missing file: verification refuses it
+                    # A missing file: verification refuses it. A link to nothing: the cold tier
+                    # of a partly cooled checkpoint is not mounted.
+                    missing = missing or _dangling(full)
                 cold += _cooled_link(full, local, self.cold_root)
         tier = "hot" if cold == 0 else ("cold" if cold == len(files) else "partial")
+        if missing is not None:
+            tier, problem = COLD_UNREACHABLE, problem or unreachable_problem(missing)
         foreign = _foreign_entries(local, files) if local is not None else ()
         user = dict(meta.user_metadata) if isinstance(meta.user_metadata, Mapping) else {}
         info = CheckpointInfo(
@@ -255,7 +267,7 @@ class Catalog:
             tier=tier if local is not None else self.storage.scheme, metrics=metrics_of(user),
             timeline=timeline_of(user), committed=True, problem=problem or step_problem or time_problem,
             modified=modified, files=files, cold_files=cold, identity=read.identity, foreign=foreign,
-            **common)
+            unreachable=missing, **common)
         return _Built(info, user if info.problem is None else None)
 
 
@@ -263,6 +275,20 @@ class Catalog:
 class _Built:
     info: CheckpointInfo
     meta_doc: dict | None  # user metadata, for the timeline; None when it cannot be trusted
+
+
+def _dangling(local: str | None) -> str | None:
+    """Where the local path ``local`` links to, when it is a link to nothing; else None."""
+    if local is None or not os.path.islink(local) or os.path.exists(local):
+        return None
+    return os.path.realpath(local)
+
+
+def unreachable_problem(missing: str) -> str:
+    """Why a cooled checkpoint whose cold copy ``missing`` is not there cannot be classified (it
+    is committed, its bytes are in a cold tier that is not mounted now)."""
+    return (f"cold tier unreachable: {missing} is not there (is the cold disk mounted?). The checkpoint "
+            "is committed; mount the cold tier again where its links point")
 
 
 def _replace_abandoned(c: CheckpointInfo, abandoned: bool) -> CheckpointInfo:

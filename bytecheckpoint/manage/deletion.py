@@ -21,6 +21,7 @@ paths) inside the cold root; a link elsewhere is removed, its target never.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import posixpath
@@ -182,7 +183,12 @@ def _delete_locked(path: str, ckpt: CheckpointInfo, fresh: CheckpointInfo, ident
         if journal is not None:
             journal.append(op_id, "delete", "begin", checkpoint=path, trash=trash, cold_dir=cold_dir)
         else:
-            _write_record(record, path, trash, fresh, op_id)
+            try:
+                _write_record(record, path, trash, fresh, op_id)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                return _delete_in_place(path, ckpt, fresh, hot_root, cold_root)
         os.rename(path, trash)
         moved = describe(trash, hot_root, cold_root)
         if os.lstat(trash).st_ino != identity or moved is None or moved.identity != fresh.identity \
@@ -202,6 +208,25 @@ def _delete_locked(path: str, ckpt: CheckpointInfo, fresh: CheckpointInfo, ident
             journal.append(op_id, "delete", "done")
         _drop_record(record, journal)
     return Deleted(path, done.cold_files, done.bytes_freed)
+
+
+def _delete_in_place(path: str, ckpt: CheckpointInfo, fresh: CheckpointInfo, hot_root: str,
+                     cold_root: str | None) -> Deleted:
+    """No room for the deletion record: a full disk, when freeing space matters most, and
+    deleting needs none. Deleted where it is (under the path's save lock), the metadata first
+    and made durable, so it stops being a checkpoint at once, as the storage-layer deletion
+    does: a crash part-way leaves an uncommitted directory (``bcp ls`` shows it; delete it by
+    hand), never a committed checkpoint with files missing."""
+    _refuse_if_foreign(path, sorted(set(os.listdir(path)) - set(fresh.files)))
+    _refuse_if_changed(path, ckpt, metadata_identity(LOCAL_DISK, path))
+    meta = os.path.join(path, METADATA_FILE)
+    freed = os.lstat(meta).st_size if os.path.isfile(meta) else 0
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(meta)
+    fsync_dir(path)
+    done = delete_tree(path, cold_root, hot_root)
+    fsync_dir(os.path.dirname(path))
+    return Deleted(path, done.cold_files, done.bytes_freed + freed)
 
 
 def _write_record(record: str, path: str, trash: str, fresh: CheckpointInfo, op_id: str) -> None:

@@ -18,7 +18,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StorageIOError
+from ..storage.managed import os_failure
 
 FINAL_STATES = frozenset({"done", "aborted", "recovered"})
 JOURNAL_FILE = ".tiering-journal.jsonl"
@@ -33,7 +34,13 @@ class TierBusyError(CheckpointError):
 def exclusive(cold_root: str) -> Iterator[None]:
     """Hold the cold tier's lock: one tiering pass or ``bcp gc`` at a time moves or deletes in
     it (a cooling racing a deletion of the same checkpoint would leave cold copies no link uses)."""
-    fd = os.open(os.path.join(cold_root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    lock = os.path.join(cold_root, LOCK_FILE)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as exc:  # read-only (EROFS), no permission, full: nothing can be moved or deleted
+        raise _unwritable("lock", lock, exc) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -43,6 +50,15 @@ def exclusive(cold_root: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _unwritable(op: str, path: str, exc: OSError) -> StorageIOError:
+    """A failure to write the cold tier's lock or journal, named: nothing was moved or deleted
+    by this step, and every checkpoint stays where it was (and loadable)."""
+    err = os_failure(op, path, exc)
+    err.message += ("; the cold tier must be writable (mounted read-write, with write permission for "
+                    "this user) for tiering and gc --cold: nothing was moved or deleted by this step")
+    return err
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -59,6 +75,12 @@ class Journal:
     def append(self, move_id: str, op: str, state: str, **fields: Any) -> None:
         record = {"id": move_id, "op": op, "state": state, "time": time.time(), **fields}
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        try:
+            self._append(line)
+        except OSError as exc:
+            raise _unwritable("append to the journal", self.path, exc) from None
+
+    def _append(self, line: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             end = os.fstat(fd).st_size

@@ -22,8 +22,8 @@ from .records import CheckpointInfo
 
 def untouchable_reason(c: CheckpointInfo) -> str | None:
     """Why ``c`` may be neither moved nor deleted; None if it may."""
-    if c.problem is not None:
-        return f"cannot be classified: {c.problem}"
+    if c.problem is not None:  # a missing cold tier says so itself: the checkpoint is committed
+        return c.problem if c.unreachable is not None else f"cannot be classified: {c.problem}"
     if not c.committed:
         return "a save is being written" if c.staging else "uncommitted"
     if c.staging:

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from ..commit.timeline import UNNAMED, Timeline
 
+# The tier of a cooled checkpoint whose cold copies are not there (the cold disk unmounted): it
+# is committed, but nothing can read, move or delete it until the cold tier is back.
+COLD_UNREACHABLE = "cold-unreachable"
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -20,7 +24,8 @@ class CheckpointInfo:
     url: str
     time: float  # when it was saved (the metadata's creation time, seconds since the epoch)
     size: int  # bytes of its storage files and metadata
-    tier: str  # "hot", "cold" or "partial" on local disk (cooled files are links); else the scheme
+    # "hot", "cold", "partial" or COLD_UNREACHABLE on local disk (cooled files are links); else the scheme
+    tier: str
     abandoned: bool = False  # left behind by a rollback: not on the live timeline
     latest: bool = False  # named by its run's ``latest`` pointer
     metrics: dict[str, float] = field(default_factory=dict)
@@ -42,6 +47,9 @@ class CheckpointInfo:
     # checkpoint at the path is still this one, not one a new save put there since.
     identity: bytes = b""
     foreign: tuple[str, ...] = ()  # local disk: entries of its directory that are not its files
+    # local disk: a cold path one of its links points to that is not there (COLD_UNREACHABLE);
+    # ``problem`` says so too, which keeps gc and tiering off it
+    unreachable: str | None = None
 
     @property
     def key(self) -> str:
@@ -49,9 +57,12 @@ class CheckpointInfo:
 
     @property
     def state(self) -> str:
-        """``uncommitted``, ``newer-format``, ``hot``, ``cold`` (every file) or ``partial``."""
+        """``uncommitted``, ``newer-format``, ``cold-unreachable``, ``hot``, ``cold`` (every file)
+        or ``partial``."""
         if self.newer_format:
             return "newer-format"
+        if self.unreachable is not None:
+            return COLD_UNREACHABLE
         if not self.committed:
             return "uncommitted"
         if self.cold_files == 0:

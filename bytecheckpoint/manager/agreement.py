@@ -12,6 +12,7 @@ finished long ago. A flag set at step ``s`` is acted on within ``2 * check_every
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +29,13 @@ class Agreed:
     save: bool = False
 
 
+@dataclass(frozen=True)
+class Final:
+    stop: bool  # some rank saw a preemption signal
+    able: bool  # every rank can save, at one step
+    step: int
+
+
 class Agreement:
     def __init__(self, process_group: Any = None, check_every: int = 4) -> None:
         self.check_every = check_every
@@ -38,7 +46,8 @@ class Agreement:
             group = process_group if process_group is not None else dist.group.WORLD
             ranks = dist.get_process_group_ranks(group)
             # Its own group: the all-reduce in flight never interleaves with training's or saves'.
-            self._group = gloo_group_of(ranks)
+            # Made with ``group`` as parent: members of a subgroup agree on its name first.
+            self._group = gloo_group_of(ranks, group)
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def poll(self, step: int) -> Agreed | None:
@@ -68,6 +77,23 @@ class Agreement:
         self.close()
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
         return Agreed(bool(tensor[STOP]), bool(tensor[SAVE]))
+
+    def final(self, able: bool, step: int, timeout_s: float) -> Final | None:
+        """The last agreement, at close: the flags, whether every rank can save (``able``) and
+        gave the same ``step``. None when some rank did not take part within ``timeout_s``
+        (it crashed or never closes): waiting longer would only hang the job's exit."""
+        if not self._distributed:
+            return Final(bool(self.flags[STOP]), able, step)
+        # MAX of [stop, unable, step, -step]: any rank's stop or inability, and the step range.
+        tensor = torch.tensor([self.flags[STOP], int(not able), step, -step], dtype=torch.int64)
+        try:
+            self.close()
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError:  # gloo's timeout, or a peer gone; the group is not used again
+            return None
+        stop, unable, high, low = (int(v) for v in tensor)
+        return Final(bool(stop), not unable and high == -low, high)
 
     def close(self) -> None:
         """Collect the all-reduce in flight (every rank started it, so every rank must)."""

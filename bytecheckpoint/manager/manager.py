@@ -18,15 +18,19 @@ applies retention, after a save commits. See docs/guide/manager.md for the rules
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import posixpath
 import signal
+import sys
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from ..api import check_step, load
 from ..api import save as _save
@@ -35,10 +39,13 @@ from ..commit.save_lock import pointer_locked
 from ..commit.timeline import MANAGER_KEY, Timeline
 from ..errors import (
     CheckpointError,
+    ColdTierUnavailableError,
     ConcurrentSaveError,
     CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
+    RankFailedError,
+    StorageIOError,
 )
 from ..format.metadata import METADATA_FILE
 from ..manage.catalog import RootListing, overtaking
@@ -54,13 +61,18 @@ from .schedule import Schedule
 log = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# How long close() waits for every rank's last vote on a late preemption signal: a rank that
+# crashed or never closes must not hang the others' exit.
+CLOSE_VOTE_TIMEOUT_S = 60.0
 _ACTIVE: dict[str, int] = {}  # root URL -> id of the open manager on it, in this process
 _ACTIVE_LOCK = threading.Lock()
 # Open managers whose signal handlers are installed, in installation order (under _ACTIVE_LOCK):
 # closing one that a later one was installed on top of hands its saved handlers down to it.
 _HANDLING: list[CheckpointManager] = []
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_RANK_0_FAILED = "rank 0 failed"  # error_type of a decision that failed on rank 0 with no CheckpointError
 _ERRORS = {c.__name__: c for c in (NotACheckpointError, InvalidArgumentError, ConcurrentSaveError,
-                                   CorruptCheckpointError)}
+                                   CorruptCheckpointError, ColdTierUnavailableError)}
 
 
 def _loadable(c: CheckpointInfo | None) -> bool:
@@ -91,7 +103,9 @@ class CheckpointManager:
             :class:`KeepNewerThan`, combined with ``|`` and ``&``); None keeps everything.
         async_save: save in the background (one save in flight; the next waits for it).
         preemption: ``True`` (SIGTERM and SIGUSR1) or the signals to handle: a signal on any rank
-            makes every rank save at the same step, then :attr:`stop_requested` turns True.
+            makes every rank save at the same step, then :attr:`stop_requested` turns True (at
+            :meth:`close` for a signal too late for the loop). The handler replaced still runs
+            after the manager's when it is a Python function (not SIG_DFL nor SIG_IGN).
         check_every: steps between the ranks' agreements on signals, requests and time.
         process_group: the ranks taking part (default: all).
         record_step_time: emit a ``train.step`` telemetry span per step (time between calls to
@@ -146,12 +160,19 @@ class CheckpointManager:
         self.last_result: Any = None  # the SaveResult of the last save waited for
         self.last_load: Any = None  # the LoadResult of the last restore
         self._pending_step: int | None = None
+        self._before_pending: int | None = None  # _last_step before the save in flight
         self._pending_name: str | None = None  # the name of the save in flight (retention keeps it)
         self._decided: tuple[int, Agreed | None] | None = None
         self._stop = False
         self._closed = False
         self._step_t0: tuple[float, float] | None = None
         self._old_handlers: dict[int, Any] = {}
+        # What save() was last given, and the optimizer steps counted by then: close() makes a
+        # late preemption save of it only if no optimizer of it has stepped since.
+        self._seen: tuple[int, dict[str, Any], int] | None = None
+        self._optimizer_steps = 0
+        self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook's handle
+        self._preempting = bool(preemption)
         if preemption:
             try:
                 self._install(DEFAULT_SIGNALS if preemption is True else preemption)
@@ -180,17 +201,30 @@ class CheckpointManager:
         """Rank 0's decision on every rank; its error raised on every rank, by name."""
         got = self.comm.broadcast(outcome)
         if got.error is not None:
+            if got.error_type == _RANK_0_FAILED:
+                raise RankFailedError(got.error, {0: got.error})
             raise _ERRORS.get(got.error_type or "", CheckpointError)(got.error)
         return got.value
 
     def _decide(self, fn: Any, *args: Any) -> Any:
         outcome = None
+        failure: BaseException | None = None
         if self.comm.is_coordinator:
             try:
                 outcome = Outcome(value=fn(*args))
             except CheckpointError as exc:
                 outcome = Outcome(error=str(exc), error_type=type(exc).__name__)
-        return self._agreed(outcome)
+            except BaseException as exc:  # noqa: BLE001 - the other ranks wait in the broadcast
+                failure = exc
+                detail = Outcome.failure(exc).error
+                outcome = Outcome(error=f"{self.url}: rank 0 failed deciding for every rank: {detail}",
+                                  error_type=_RANK_0_FAILED)
+        try:
+            return self._agreed(outcome)
+        except RankFailedError:
+            if failure is not None:
+                raise failure from None  # rank 0 raises its own error, as it would alone
+            raise
 
     # -- preemption --------------------------------------------------------------------------
     def _install(self, signals: Any) -> None:
@@ -229,6 +263,12 @@ class CheckpointManager:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.agreement.flags[STOP] = 1  # an assignment: safe in a handler; acted on at a check
+        previous = self._old_handlers.get(signum)
+        # The handler this one replaced runs too (a launcher's log flush, a scheduler notice).
+        # Not SIG_DFL/SIG_IGN (not callables) nor Python's SIGINT default: those would end the
+        # job before its preemption save, which ends it cleanly instead.
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
 
     def request_save(self) -> None:
         """Ask for a save soon (within ``2 * check_every`` steps); may be called on one rank only."""
@@ -276,6 +316,8 @@ class CheckpointManager:
         self._check_open()
         step = check_step(step)
         assert step is not None
+        self._count_steps_of(state)
+        self._seen = (step, state, self._optimizer_steps)
         due = self.should_save(step)
         agreed = self._decided[1] if self._decided else None
         stopping = agreed is not None and agreed.stop
@@ -290,9 +332,13 @@ class CheckpointManager:
         name, timeline = self._decide(self._name_for, step)
         self._timeline = timeline
         record = timeline.record() | ({"metrics": metrics} if metrics else {})
-        result = _save(self.storage.url(posixpath.join(self.root, name)), state, step=step,
-                       user_metadata={MANAGER_KEY: record}, process_group=self.process_group,
-                       async_save=self.async_save and not stopping, **self.save_kwargs)
+        try:
+            result = _save(self.storage.url(posixpath.join(self.root, name)), state, step=step,
+                           user_metadata={MANAGER_KEY: record}, process_group=self.process_group,
+                           async_save=self.async_save and not stopping, **self.save_kwargs)
+        except OSError as exc:
+            raise self._not_saved(exc, step) from exc
+        self._before_pending = self._last_step
         self._last_step = step
         self.schedule.saved()
         self._handle, self._pending_step, self._pending_name = result, step, name
@@ -381,22 +427,55 @@ class CheckpointManager:
         handle, self._handle = self._handle, None
         if handle is None:
             return None
-        self.last_result = handle.wait() if hasattr(handle, "wait") else handle
         just_saved, self._pending_name = self._pending_name, None
+        try:
+            self.last_result = handle.wait() if hasattr(handle, "wait") else handle
+        except BaseException as exc:
+            # Not saved: the same step may be saved again (it is not "the last one saved").
+            self._last_step = self._before_pending
+            if isinstance(exc, OSError):
+                raise self._not_saved(exc, self._pending_step) from exc
+            raise
         if self.retention is not None and self.comm.is_coordinator:
             self._retain(just_saved)
         return self.last_result
 
+    def _not_saved(self, exc: OSError, step: int | None) -> OSError:
+        """A save that failed for want of space, named with what to do: retention keeps what it
+        keeps beside the new checkpoint, so the root needs room for one checkpoint more. Rank 0
+        applies retention first (a policy lowered since the last save frees space now)."""
+        if exc.errno not in _NO_SPACE:
+            return exc
+        if self.retention is None:
+            advice = ("this manager keeps every checkpoint (retention=None): give it a retention "
+                      "policy, free space, or save elsewhere")
+        else:
+            kept = ""
+            if self.comm.is_coordinator:
+                deleted = self._retain()
+                with contextlib.suppress(CheckpointError, OSError):
+                    live = [c for c in self.listing.list(details=False) if not c.abandoned]
+                    kept = f" {len(live)} checkpoint(s) ({sum(c.size or 0 for c in live) / 2**20:.1f} MiB)"
+                kept += f" after deleting {deleted} now" if deleted else ""
+            advice = (f"retention {self.retention!r} keeps{kept or ' what it keeps'} here, and a save "
+                      "needs room for one checkpoint more than retention keeps: free space, keep fewer "
+                      "checkpoints, or save elsewhere")
+        msg = (f"{self.url}: step {step} was not saved: {exc}. The checkpoints committed before are "
+               f"intact; {advice}")
+        return StorageIOError(msg, op=getattr(exc, "op", "save"), path=getattr(exc, "path", self.url),
+                              errno=exc.errno)
+
     # -- retention -----------------------------------------------------------------------------
-    def _retain(self, just_saved: str | None = None) -> None:
+    def _retain(self, just_saved: str | None = None) -> int:
         """Rank 0, after a commit: delete what the policy does not keep (never a protected one,
         nor ``just_saved``, the checkpoint this save committed). A failure is logged: the
         checkpoint just saved is committed whatever happens here."""
+        deleted = 0
         try:
             decisions = plan_deletions(self.listing.list(), self.retention, context=Context(now=time.time()))
         except InvalidArgumentError as exc:
             log.warning("%s: retention skipped: %s", self.url, exc)
-            return
+            return deleted
         for d in decisions:
             if d.delete and d.checkpoint.name == just_saved:
                 # Not the newest of the live timeline: something else moved 'latest' on (another
@@ -407,8 +486,10 @@ class CheckpointManager:
             elif d.delete:
                 try:
                     self._delete(d.checkpoint)
+                    deleted += 1
                 except Exception as exc:  # noqa: BLE001 - retention never fails a training step
                     log.warning("%s: could not delete %s: %s", self.url, d.checkpoint.name, exc)
+        return deleted
 
     def _delete(self, c: CheckpointInfo) -> None:
         delete_on_storage(self.storage, c)  # the core's deletion: locked, re-checked, metadata first
@@ -423,7 +504,9 @@ class CheckpointManager:
         """The step ``latest`` names (the newest save of the live timeline), or None when
         nothing is saved. Where ``latest`` names a checkpoint that is missing or cannot be
         loaded, still its step (as the pointer records it), never an older one; an unreadable
-        pointer raises :class:`CorruptCheckpointError`."""
+        pointer raises :class:`CorruptCheckpointError`.
+
+        Not collective: any rank may call it alone (to log it, say), and reads the root itself."""
         pointer = read_latest(self.storage, self.root)
         if pointer is not None:
             if not pointer_locked(self.storage, self.root):  # it may lag a racing save
@@ -482,6 +565,10 @@ class CheckpointManager:
             return NotACheckpointError(
                 f"{self.url}: 'latest' names {named}, which holds no committed checkpoint (it was "
                 f"deleted or moved, or its save never committed); nothing was restored{then}")
+        if head.unreachable is not None:  # committed and intact: its cold tier is not mounted
+            return ColdTierUnavailableError(
+                f"{self.url}: 'latest' names {named}, which cannot be loaded now: {head.problem}; nothing "
+                f"was restored{then}", missing=head.unreachable)
         return CorruptCheckpointError(
             f"{self.url}: 'latest' names {named}, which cannot be loaded: {_why(head)}; nothing "
             f"was restored (bcp verify {head.url} says more){then}")
@@ -551,23 +638,77 @@ class CheckpointManager:
             raise InvalidArgumentError(f"this CheckpointManager on {self.url} is closed")
 
     def close(self) -> None:
-        """Finish the save in flight and retention, restore the signal handlers, free the root."""
+        """Finish the save in flight and retention, make the preemption save a signal asked for
+        too late for the loop to act on, restore the signal handlers, free the root."""
         if self._closed:
             return
-        if self.agreement.flags[STOP] and not self._stop:
-            # The signal came after the ranks' last agreement and the loop ended before the next
-            # one: no preemption checkpoint exists, and the job should not count on one.
-            log.warning("%s: a preemption signal reached this rank, but the training loop ended before "
-                        "the ranks' next agreement (every %d steps), so no preemption checkpoint was "
-                        "saved. Save once after the loop, or give last_step",
-                        self.url, self.agreement.check_every)
+        # Called while an exception propagates (a with block, a finally): the state may be
+        # half-updated, so this rank votes against a preemption save.
+        failing = sys.exc_info()[0] is not None
         try:
-            self.wait()
+            try:
+                self.wait()
+            except BaseException:
+                self._save_at_close(able=False)  # the other ranks are waiting for this vote
+                raise
+            self._save_at_close(able=not failing)
             self.agreement.close()
         finally:
             self._closed = True
+            self._seen = None
+            for handle in self._step_hooks.values():
+                handle.remove()
+            self._step_hooks.clear()
             self._uninstall()
             self._finalizer()
+
+    def _save_at_close(self, able: bool) -> None:
+        """A signal came after the ranks' last agreement and the loop ended before the next one:
+        every rank votes, and where all can, they save the state last given to save() at its
+        step (synchronously), as the agreement would have. Only managers with preemption vote."""
+        if not self._preempting or self._stop:
+            return
+        seen = self._seen
+        # An optimizer that stepped after the last save() call changed the state since: saved now
+        # as that call's step, a resume would train a step twice. This rank votes against.
+        able = able and seen is not None and seen[2] == self._optimizer_steps
+        final = self.agreement.final(able, seen[0] if seen is not None else -1, CLOSE_VOTE_TIMEOUT_S)
+        if final is None or not final.stop:
+            if final is None and self.agreement.flags[STOP]:
+                self._no_save_at_close(f"not every rank took part in close()'s vote within "
+                                       f"{CLOSE_VOTE_TIMEOUT_S:.0f} s")
+            return
+        if not final.able or seen is None:
+            self._no_save_at_close("some rank ended with an error, never called save(), was at "
+                                   "another step, or stepped an optimizer after its last save() call")
+            return
+        step, state, _ = seen
+        if self._last_step is None or step > self._last_step:  # else saved (or restored) already
+            self._decided = (step, Agreed(stop=True))
+            self.save(step, state)  # synchronous: the stop is agreed
+            log.warning("%s: a preemption signal came after the ranks' last agreement; saved step %d "
+                        "at close()", self.url, step)
+        self._stop = True
+
+    def _count_steps_of(self, state: dict[str, Any]) -> None:
+        """Count the steps of every optimizer in ``state`` (top level, or one dict down) from
+        now on, for close()'s check that the state is still the one last given to save()."""
+        if not self._preempting:
+            return
+        values = list(state.values())
+        values += [v for d in values if isinstance(d, dict) for v in d.values()]
+        for value in values:
+            if isinstance(value, torch.optim.Optimizer) and id(value) not in self._step_hooks:
+                self._step_hooks[id(value)] = value.register_step_pre_hook(self._optimizer_stepped)
+
+    def _optimizer_stepped(self, *_: Any) -> None:
+        self._optimizer_steps += 1
+
+    def _no_save_at_close(self, why: str) -> None:
+        # The job should not count on a preemption checkpoint that does not exist.
+        log.warning("%s: a preemption signal reached the ranks after their last agreement (every %d "
+                    "steps), and no preemption checkpoint was saved at close(): %s. The newest "
+                    "checkpoint is the last one saved before", self.url, self.agreement.check_every, why)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -46,6 +46,7 @@ from ..errors import (
 T = TypeVar("T")
 _GLOO_GROUPS: dict[Any, Any] = {}
 _SAVE_GROUPS: dict[tuple[int, ...], Any] = {}
+_STORE_ALIGNMENTS: dict[tuple[int, ...], int] = {}  # per set of ranks: see _same_group_count_by_store
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,15 @@ def gloo_group_of(ranks: list[int], parent: Any = None) -> Any:
     carry CPU tensors, lets them agree on the count first (:func:`_same_group_count`). A
     group of the whole world needs no such name: every rank is a member and calls this, so
     the plain world-wide creation (a shared counter) is both correct and immune to differing
-    histories."""
+    histories. Without such a parent (an NCCL-only group carries no CPU tensor) the members
+    agree through the job's store instead (:func:`_same_group_count_by_store`): no subgroup
+    is made without agreeing first."""
     if len(ranks) == dist.get_world_size():
         return dist.new_group(ranks=list(ranks), backend="gloo")
     if parent is not None and _carries_cpu(parent):
         _same_group_count(parent)
+    else:  # an NCCL-only group carries no CPU tensor: the members meet in the job's store
+        _same_group_count_by_store(ranks)
     return dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
 
 
@@ -110,6 +115,31 @@ def _same_group_count(group: Any) -> None:
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, torch.tensor([len(names)], dtype=torch.int64), group=group)
     for _ in range(int(max(c.item() for c in counts)) - len(names)):
+        dist.new_group(ranks=[dist.get_rank()], backend="gloo", use_local_synchronization=True)
+
+
+def _same_group_count_by_store(ranks: list[int]) -> None:
+    """:func:`_same_group_count` for members that share no group able to carry a CPU tensor:
+    each writes its count under a key of the default store named by the ranks and how many
+    times this process aligned for them (members align for a group together, in one order),
+    then waits for the others' and pads to the largest."""
+    c10d = dist.distributed_c10d
+    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+    get_store = getattr(c10d, "_get_default_store", None)
+    if names is None or get_store is None:  # another torch: nothing to align by
+        return
+    members = tuple(sorted(ranks))
+    seq = _STORE_ALIGNMENTS[members] = _STORE_ALIGNMENTS.get(members, 0) + 1
+    prefix = f"bytecheckpoint/group-count/{'_'.join(map(str, members))}/{seq}"
+    store = get_store()
+    keys = [f"{prefix}/{r}" for r in members]
+    try:
+        store.set(f"{prefix}/{dist.get_rank()}", str(len(names)))
+        store.wait(keys)
+        top = max(int(store.get(k)) for k in keys)
+    except RuntimeError as exc:  # the store's timeout: a member never came (crashed, or not saving)
+        raise group_failure(exc, "group creation", len(members)) from exc
+    for _ in range(top - len(names)):
         dist.new_group(ranks=[dist.get_rank()], backend="gloo", use_local_synchronization=True)
 
 

@@ -16,6 +16,8 @@ the names of settings: credentials stay in :class:`S3Settings` fields that ``rep
     [s3]                    # BCP_S3_ENDPOINT or AWS_ENDPOINT_URL; AWS_ACCESS_KEY_ID, ...
     endpoint = "http://127.0.0.1:9000"
     region = "us-east-1"
+    connect_timeout_s = 5   # BCP_S3_CONNECT_TIMEOUT_S
+    request_timeout_s = 20  # BCP_S3_REQUEST_TIMEOUT_S
     [hdfs]                  # BCP_HDFS_URL
     url = "hdfs://namenode:8020"
 """
@@ -88,13 +90,21 @@ class RetrySettings:
 
 @dataclass(frozen=True)
 class S3Settings:
+    """Where S3 is and how long one request may wait on it. ``connect_timeout_s``: to open a
+    connection. ``request_timeout_s``: how long a request may go without receiving a byte (the
+    AWS SDK's low-speed limit, in whole seconds, at least 1), not its total time: a large
+    transfer that keeps moving never hits it, a hung server fails each attempt after it."""
+
     endpoint: str | None = None  # "http://host:port" for S3-compatible stores; None for AWS
     region: str | None = None
     access_key: str | None = field(default=None, repr=False)
     secret_key: str | None = field(default=None, repr=False)
     session_token: str | None = field(default=None, repr=False)
-    connect_timeout_s: float = 10.0
-    request_timeout_s: float = 60.0
+    # A training job wants a dead or hung endpoint reported in seconds, not minutes; an S3
+    # answers a request's first byte in well under a second even when busy (a busy one says
+    # SlowDown, which is retried).
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -239,7 +249,7 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
         max_s=pick("retry", "max_s", "BCP_STORAGE_RETRY_MAX_S", float) or d_retry.max_s,
         deadline_s=pick("retry", "deadline_s", "BCP_STORAGE_RETRY_DEADLINE_S", float) or d_retry.deadline_s,
     )
-    s3_conf = sections["s3"]
+    d_s3 = S3Settings()
     s3 = S3Settings(
         endpoint=env.get("BCP_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         or sections["s3"].get("endpoint"),
@@ -247,10 +257,10 @@ def _load(key: tuple[tuple[str, str], ...]) -> StorageSettings:
         access_key=env.get("AWS_ACCESS_KEY_ID") or sections["s3"].get("access_key"),
         secret_key=env.get("AWS_SECRET_ACCESS_KEY") or sections["s3"].get("secret_key"),
         session_token=env.get("AWS_SESSION_TOKEN") or sections["s3"].get("session_token"),
-        connect_timeout_s=_number("[s3].connect_timeout_s", s3_conf.get("connect_timeout_s",
-                                                                        S3Settings.connect_timeout_s), float),
-        request_timeout_s=_number("[s3].request_timeout_s", s3_conf.get("request_timeout_s",
-                                                                        S3Settings.request_timeout_s), float),
+        connect_timeout_s=pick("s3", "connect_timeout_s", "BCP_S3_CONNECT_TIMEOUT_S", float)
+        or d_s3.connect_timeout_s,
+        request_timeout_s=pick("s3", "request_timeout_s", "BCP_S3_REQUEST_TIMEOUT_S", float)
+        or d_s3.request_timeout_s,
     )
     hdfs = HdfsSettings(url=env.get("BCP_HDFS_URL") or sections["hdfs"].get("url"))
     return StorageSettings(transfer, retry, s3, hdfs)
@@ -261,7 +271,8 @@ _ENV_NAMES = (
     "BCP_STORAGE_DROP_BEHIND", "BCP_STORAGE_DIRECT_WRITES", "BCP_STORAGE_HOST_WRITERS",
     "BCP_STORAGE_RETRY_ATTEMPTS", "BCP_STORAGE_RETRY_BASE_S", "BCP_STORAGE_RETRY_MAX_S",
     "BCP_STORAGE_RETRY_DEADLINE_S",
-    "BCP_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "BCP_S3_ENDPOINT", "BCP_S3_CONNECT_TIMEOUT_S", "BCP_S3_REQUEST_TIMEOUT_S",
+    "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "BCP_HDFS_URL",
 )
 

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from telemetry import span
 
-from ..errors import StorageError, StorageIOError, TransientStorageError
+from ..errors import StorageError, StorageIOError, StorageTimeoutError, TransientStorageError
 from . import retry
 from .base import Storage, WrappedWriter, Writer
 from .config import RetrySettings
@@ -51,7 +51,9 @@ _ADVICE = {
 
 
 def _gave_up(op: str, url: str, exc: BaseException, attempts: int, started: float) -> TransientStorageError:
-    return TransientStorageError(redact(
+    # A timeout stays one by its class too, so a caller can tell a hung server from the rest.
+    cls = StorageTimeoutError if isinstance(exc, StorageTimeoutError) else TransientStorageError
+    return cls(redact(
         f"{op} {url} failed after {attempts} attempts over {time.monotonic() - started:.1f}s: {exc}. "
         "The storage is unreachable or overloaded: check the endpoint and network, or allow more "
         "retries with BCP_STORAGE_RETRY_ATTEMPTS / BCP_STORAGE_RETRY_DEADLINE_S"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import posixpath
 import re
 import sys
@@ -32,6 +33,7 @@ from ..errors import (
     InvalidStorageURLError,
     PermanentStorageError,
     StorageError,
+    StorageTimeoutError,
     TransientStorageError,
 )
 from . import parallel
@@ -40,6 +42,7 @@ from .config import RetrySettings, S3Settings, TransferSettings, settings
 from .redact import redact
 
 MIN_PART_BYTES = 5 << 20
+log = logging.getLogger("bytecheckpoint.storage")
 
 # AWS error names pyarrow puts in its messages, and what a person should do about each.
 _PERMANENT = {
@@ -60,12 +63,33 @@ _BUSY = re.compile(r"SLOW_DOWN|SlowDown|THROTTL|Throttl|REQUEST_LIMIT_EXCEEDED|"
                    r"HTTP (?:status|response code):?\s*(?:429|500|502|503|504)\b")
 
 
-def _translate(exc: OSError, what: str, endpoint: str | None = None) -> Exception:
+def _timed_out(text: str, what: str, endpoint: str, s3: S3Settings) -> StorageTimeoutError | None:
+    """The error for a request curl gave up on (code 28): no connection within the connect
+    timeout, or no byte within the request timeout (a server that accepts and never answers)."""
+    if "curlCode: 28" not in text:
+        return None
+    if "too slow" in text:
+        seconds = max(1, int(s3.request_timeout_s))  # the SDK's low-speed limit: whole seconds
+        setting = "BCP_S3_REQUEST_TIMEOUT_S / [s3].request_timeout_s"
+        how = "accepted the connection but did not answer"
+    else:
+        seconds, setting = s3.connect_timeout_s, "BCP_S3_CONNECT_TIMEOUT_S / [s3].connect_timeout_s"
+        how = "did not accept a connection"
+    return StorageTimeoutError(redact(
+        f"{what}: the S3 endpoint {endpoint} {how} within {seconds:g} s ({setting}); check that the "
+        f"server is up and not hung, and that this host can reach it, or raise {setting.split()[0]} "
+        f"({text})"))
+
+
+def _translate(exc: OSError, what: str, endpoint: str | None = None,
+               s3: S3Settings | None = None) -> Exception:
     """Map a pyarrow error to a permanent or transient storage error with a plain message."""
     if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError)):
         return exc
     text = str(exc)
-    if endpoint and "NETWORK_CONNECTION" in text:  # refused, unresolvable, timed out
+    if endpoint and (timeout := _timed_out(text, what, endpoint, s3 or S3Settings())) is not None:
+        return timeout
+    if endpoint and "NETWORK_CONNECTION" in text:  # refused, unresolvable
         return TransientStorageError(redact(
             f"{what}: the connection to the S3 endpoint {endpoint} failed ({text}); check "
             "BCP_S3_ENDPOINT / AWS_ENDPOINT_URL, that the server is up and that this host can reach it"))
@@ -82,11 +106,11 @@ def _translate(exc: OSError, what: str, endpoint: str | None = None) -> Exceptio
 
 
 @contextlib.contextmanager
-def _errors(what: str, endpoint: str | None = None) -> Iterator[None]:
+def _errors(what: str, endpoint: str | None = None, s3: S3Settings | None = None) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        translated = _translate(exc, what, endpoint)
+        translated = _translate(exc, what, endpoint, s3)
         if translated is exc:
             raise
         raise translated from exc
@@ -207,11 +231,34 @@ class _S3Writer(Writer):
 
     def abort(self) -> None:
         self._buffer = bytearray()
-        if self._stream is not None:
-            # pyarrow aborts an unfinished multipart upload when the stream is discarded.
-            with contextlib.suppress(Exception):
-                self._stream.abort()
-            self._stream = None
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        # pyarrow cannot abort a multipart upload (its stream has no abort()): a stream that is
+        # closed or dropped completes it, leaving the parts sent as a truncated object. Complete
+        # it here, then delete that object, so an aborted file is gone as the interface says.
+        with contextlib.suppress(Exception):
+            stream.close()
+        try:
+            with self._storage.errors(f"discarding {self._storage.url(self._path)}"):
+                self._storage.fs.delete_file(self._path)
+        except FileNotFoundError:
+            pass
+        except StorageError as exc:
+            log.warning("%s", exc)
+
+
+def _scatter(views: list[memoryview], start: int, data: memoryview) -> None:
+    """Copy ``data``, the bytes at ``start`` of the span ``views`` cover back to back, into them."""
+    base = 0
+    end = start + len(data)
+    for view in views:
+        lo, hi = max(start, base), min(end, base + len(view))
+        if lo < hi:
+            view[lo - base : hi - base] = data[lo - start : hi - start]
+        base += len(view)
+        if base >= end:
+            return
 
 
 class S3Storage(Storage):
@@ -224,6 +271,7 @@ class S3Storage(Storage):
         self.transfer = transfer or conf.transfer
         s3, retry = s3 or conf.s3, retry or conf.retry
         self.endpoint = s3.endpoint or "AWS"
+        self.s3 = s3  # its timeouts are named in errors
         self._buckets: set[str] = set()  # known to exist (_check_bucket)
         with self.errors("S3 client setup"):
             self.fs = _filesystem(s3, retry)
@@ -231,7 +279,7 @@ class S3Storage(Storage):
 
     def errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Translate pyarrow's errors; an unreachable endpoint is named in the message."""
-        return _errors(what, self.endpoint)
+        return _errors(what, self.endpoint, self.s3)
 
     def check_path(self, path: str) -> None:
         bucket = path.split("/", 1)[0]
@@ -270,11 +318,47 @@ class S3Storage(Storage):
             return len(data)
 
         try:
-            if offset >= handle.size():
+            there = handle.size() - offset
+            if there <= 0:
                 return 0
-            return parallel.read_parts(read_part, offset, buffer, self.transfer)
+            # Only the bytes there are: a part past the end was "Cannot read past end of file",
+            # retried as transient, where a truncated file should read short.
+            return parallel.read_parts(read_part, offset, memoryview(buffer).cast("B")[:there], self.transfer)
         finally:
             handle.close()
+
+    def read_into_many(self, path: str, offset: int, buffers: list[memoryview]) -> int:
+        """One object handle (one HEAD) and ranged GETs of the whole span, each scattered over
+        the buffers it covers: the default read every buffer on its own, a HEAD and a GET each
+        (a load of many small tensors asked 2 requests per tensor)."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        if len(views) < 2:
+            return super().read_into_many(path, offset, buffers)
+        key = self._key(path)
+        with self.errors(f"read of {self.url(key)}"):
+            handle = self.fs.open_input_file(key)
+        try:
+            there = min(sum(len(v) for v in views), max(0, handle.size() - offset))
+            per_thread = -(-there // max(1, self.transfer.threads))
+            parts = parallel.split(0, there, max(self.transfer.part_bytes, per_thread)) if there else []
+            got = [0] * len(parts)
+
+            def fetch(i: int, start: int, length: int) -> None:
+                with self.errors(f"read of {self.url(key)} at {offset + start}"):
+                    data = memoryview(handle.read_at(length, offset + start))
+                _scatter(views, start, data)
+                got[i] = len(data)
+
+            parallel.run_parts([functools.partial(fetch, i, s, n) for i, (s, n) in enumerate(parts)],
+                               self.transfer)
+        finally:
+            handle.close()
+        total = 0
+        for (_, n), g in zip(parts, got):
+            total += g
+            if g < n:  # the object shrank since its size was asked: stop at the gap
+                break
+        return total
 
     def _info(self, key: str) -> pafs.FileInfo:
         with self.errors(f"lookup of {self.url(key)}"):

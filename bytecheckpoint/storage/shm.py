@@ -172,13 +172,19 @@ class SharedMemoryStorage(LocalStorage):
             return self._read_many_os(where, offset, buffers)
 
     def makedirs(self, path: str) -> None:
+        os.close(self.open_dir(path))
+
+    def open_dir(self, path: str) -> int:
+        """A descriptor of the directory ``path`` (made if missing), checked to lie inside the
+        root: for those who act in it by name later (the save lock, the ``latest`` pointer's
+        temporaries), so a directory swapped for a link meanwhile changes nothing. The caller
+        closes it."""
         self._ensure_root()
         rel = os.path.relpath(self._os_path(path, follow_last=False), self.root)
-        if rel == os.curdir:
-            return
         fd = os.open(self.root, _DIR_FLAGS)
         try:
-            for part in rel.split(os.sep):  # one level at a time, each checked before the next
+            self._check_fd(fd, path)
+            for part in [] if rel == os.curdir else rel.split(os.sep):  # one level at a time
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, dir_fd=fd)
                 try:
@@ -189,8 +195,10 @@ class SharedMemoryStorage(LocalStorage):
                 os.close(fd)
                 fd = inner
                 self._check_fd(fd, path)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
     def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
         if self._is_root(src) or self._is_root(dst):

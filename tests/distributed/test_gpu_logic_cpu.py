@@ -224,6 +224,10 @@ _GUARDS = {"on_device", "device"}  # devices.on_device(dev), torch.cuda.device(d
 _HARMLESS = {"is_available", "device_count", "is_initialized", "current_device", "get_rng_state_all",
              "set_rng_state"}
 _CUDA_METHODS = {"record_stream", "wait_stream", "wait_event", "synchronize", "cuda"}
+# Defs left out of the by-name resolution: they run on the user's own thread only, never as an
+# engine thread's callee, and their names are common (a thread's ``f.close()`` is a file's).
+# CheckpointManager.close() may save at close (a late preemption signal), on the caller's thread.
+_USER_THREAD_ONLY = {("bytecheckpoint/manager/manager.py", "close")}
 
 
 def _chain(node: ast.AST) -> list[str]:
@@ -264,7 +268,8 @@ class _Index:
         for path, tree in modules.items():
             for node in ast.walk(tree):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    self.defs.setdefault(node.name, []).append(node)
+                    if (path, node.name) not in _USER_THREAD_ONLY:
+                        self.defs.setdefault(node.name, []).append(node)
                     facts[id(node)] = _facts(node, path)
         # Fixpoint: a function is unguarded if it is itself, or calls one that is.
         self.why: dict[int, str] = {k: d for k, (d, _) in facts.items() if d}

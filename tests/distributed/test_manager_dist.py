@@ -30,6 +30,14 @@ def test_fsdp2_on_4_ranks_keeps_the_policy_steps_and_resumes_on_2_bit_exactly(wo
         assert r["next_loss"] == trained[rank]["next_loss"], rank
 
 
+def test_a_decision_that_fails_on_rank_0_without_a_checkpoint_error_reaches_every_rank(world, tmp_path):
+    # Was: rank 0 raised its OSError, and the others waited in the broadcast until the timeout.
+    got = world(2).run(mw.rank_0_decision_fails, str(tmp_path / "root"))
+    assert got[0].startswith("OSError: [Errno 5] injected"), got
+    assert got[1].startswith("RankFailedError: ") and "rank 0 failed deciding" in got[1], got
+    assert "injected: the root cannot be listed" in got[1], got
+
+
 def _launch(root: str, mode: str, world: int, max_steps: int) -> list[subprocess.Popen]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -87,3 +95,37 @@ def test_sigterm_to_one_of_4_ranks_saves_the_same_step_everywhere_and_resumes_bi
     for r in _read(root, "resume", 4):
         assert r["start"] == stop
         assert r["loss"] == r["reference"]  # the uninterrupted run's loss of the next step
+
+
+def test_a_sigterm_after_the_last_agreement_is_saved_by_close_on_every_rank(world, tmp_path):
+    # Was: the loop ended before the ranks' next agreement; close() only warned, and the job
+    # exited as if preempted cleanly with its newest 2 steps unsaved.
+    root = str(tmp_path / "ckpt")
+    ranks = world(2).run(mw.fsdp2_late_preemption, root, 1, None)
+    assert all(r["stopped"] and r["steps"] == [3, 5] and r["error"] is None for r in ranks), ranks
+    with open(f"{root}/latest") as f:
+        assert json.load(f)["step"] == 5
+    for rank, r in enumerate(world(2).run(mw.fsdp2_managed_resume, root)):
+        assert r["step"] == 5
+        assert r["next_loss"] == ranks[rank]["next_loss"], rank  # the state of step 5, bit for bit
+
+
+def test_a_late_sigterm_is_not_saved_when_another_rank_ends_with_an_error(world, tmp_path):
+    """That rank's state may be half-updated: no rank saves, and none waits for the others."""
+    root = str(tmp_path / "ckpt")
+    ranks = world(2).run(mw.fsdp2_late_preemption, root, 0, 1)
+    # The failing rank voted too: nobody waited out the vote's timeout (60 s).
+    assert all(r["close_s"] < 20 for r in ranks), ranks
+    assert [r["error"] for r in ranks] == [None, "evaluation failed"]
+    assert all(not r["stopped"] and r["steps"] == [3] for r in ranks), ranks
+
+
+def test_close_does_not_wait_past_its_timeout_for_a_rank_that_never_closes(tmp_path):
+    """A rank stuck elsewhere never votes: the signalled rank's close() gives up after the
+    vote's timeout (3 s here), saves nothing, and the job can exit."""
+    root = str(tmp_path)
+    procs = _launch(root, "absent", 2, max_steps=0)
+    assert _wait(procs, 120) == [0, 0]
+    (report,) = _read(root, "absent", 1)
+    assert 2.5 < report["close_s"] < 12 and not report["stopped"], report
+    assert not os.path.exists(f"{root}/ckpt/latest")

@@ -5,6 +5,7 @@ included; a resume the callback has no checkpoint for is a named error."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ pytest.importorskip("accelerate")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 import bytecheckpoint as bcp  # noqa: E402
-from bytecheckpoint.errors import NotACheckpointError  # noqa: E402
+from bytecheckpoint.errors import ConcurrentSaveError, NotACheckpointError  # noqa: E402
 from bytecheckpoint.integrations.hf_trainer import BytecheckpointCallback  # noqa: E402
 from tests.integration.frameworks_support import assert_same  # noqa: E402
 
@@ -75,3 +76,59 @@ def test_resume_without_our_checkpoint_is_named(tmp_path: os.PathLike) -> None:
     with pytest.raises(NotACheckpointError, match="no bytecheckpoint checkpoint of that step"):
         trainer = _trainer(out, 1, BytecheckpointCallback())
         trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
+
+
+class Crashing(Recording):
+    """Fails in its 5th training step, after the callback saved step 4: outside the callback's
+    hooks, so its on_train_end never comes."""
+
+    def training_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.state.global_step == 4:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().training_step(*args, **kwargs)
+
+
+def test_a_train_that_crashed_outside_the_hooks_leaves_the_root_to_a_new_callback(tmp_path) -> None:
+    # Was: the crashed Trainer (still referenced: a notebook's traceback, a retry loop) kept its
+    # manager open, and the new callback's first save raised ConcurrentSaveError.
+    out = str(tmp_path / "run")
+    crashed = _trainer(out, 0, BytecheckpointCallback())
+    crashed.__class__ = Crashing
+    crashed.args.save_total_limit = 3
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        crashed.train()
+    assert crashed.args.save_total_limit is None  # taken over by the callback, not given back yet
+    retry = _trainer(out, 1, BytecheckpointCallback())
+    retry.train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
+    with bcp.CheckpointManager(os.path.join(out, "bytecheckpoint")) as mgr:
+        assert [c.step for c in mgr.steps()] == [4, 6]
+    assert crashed.args.save_total_limit == 3  # the crashed run's setting is its own again
+
+
+def test_a_train_still_running_on_another_thread_keeps_the_root(tmp_path) -> None:
+    """The protection the fix must keep: two live train() calls on one root are refused."""
+    from transformers import TrainerControl, TrainerState
+
+    out = str(tmp_path / "run")
+    opened, release = threading.Event(), threading.Event()
+    running = BytecheckpointCallback()
+
+    def train_elsewhere() -> None:  # what Trainer.train() calls, up to a save in flight
+        args = TrainingArguments(output_dir=out, report_to=[], use_cpu=True)
+        running.on_train_begin(args, TrainerState(), TrainerControl())
+        running._manager(args)  # opened, as its first on_save does
+        opened.set()
+        release.wait(60)
+        running.on_train_end(args, TrainerState(), TrainerControl())
+
+    thread = threading.Thread(target=train_elsewhere)
+    thread.start()
+    try:
+        assert opened.wait(60)
+        second = _trainer(out, 1, BytecheckpointCallback())
+        with pytest.raises(ConcurrentSaveError, match="another CheckpointManager"):
+            second.train()
+        assert running.manager is not None  # still open: not taken from the live train()
+    finally:
+        release.set()
+        thread.join(60)

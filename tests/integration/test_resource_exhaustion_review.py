@@ -107,7 +107,8 @@ def test_a_deletion_record_cut_short_by_a_full_disk_is_not_left_behind(tmp_path,
     """`bcp gc` writes ``.<name>.deleting-<id>.record`` before renaming the checkpoint aside. A
     nearly full disk wrote half of it: the short write passed as a whole one and the deletion
     went on with a record no recovery could read (had it failed instead, the record was left,
-    proving nothing, and no later pass removed it). Now the record is completed or removed."""
+    proving nothing, and no later pass removed it). Now the record is removed, and the
+    checkpoint deleted in place (a full disk is when gc must free space)."""
     root = tmp_path / "run"
     for s in (1, 2):
         bcp.save(f"{root}/step{s}", _state(float(s)), step=s)
@@ -115,11 +116,9 @@ def test_a_deletion_record_cut_short_by_a_full_disk_is_not_left_behind(tmp_path,
         m.setattr(deletion.os, "write", _failing_for(".record", os.write))
         code = cli.main(["gc", str(tmp_path), "--keep-last", "1", "--yes", "-q"])
     out, err = capsys.readouterr()
-    assert code == 1 and "No space left" in out + err, out + err
-    assert sorted(os.listdir(root)) == ["latest", "step1", "step2"]  # kept, and nothing beside
-    _loads_as(f"{root}/step1", 1.0)
-    assert cli.main(["gc", str(tmp_path), "--keep-last", "1", "--yes", "-q"]) == 0
-    assert sorted(os.listdir(root)) == ["latest", "step2"]
+    assert code == 0, out + err
+    assert sorted(os.listdir(root)) == ["latest", "step2"]  # deleted, and nothing beside
+    _loads_as(str(root), 2.0)
 
 
 def test_a_journal_record_cut_short_by_a_full_disk_loses_no_later_record(tmp_path, monkeypatch):
@@ -213,6 +212,69 @@ def test_a_save_into_a_full_tmpfs_fails_by_name_and_the_next_one_succeeds(small_
         result.wait()
     _loads_as(str(root), 2.0, n)
     _loads_as(f"{root}/step1", 1.0, n)
+
+
+def test_gc_on_a_disk_with_no_byte_free_deletes_what_the_policy_says(small_tmpfs, capsys):
+    """Deleting needs no space, but gc first wrote a deletion record beside each checkpoint: on
+    a full disk that failed, every checkpoint was kept ("FAILED ... No space left") and the disk
+    stayed full. Now one whose record cannot be written is deleted in place, metadata first."""
+    root = small_tmpfs / "run"
+    for s in (1, 2, 3):
+        bcp.save(f"{root}/step{s}", _state(float(s), 20_000), step=s)
+    filler = _fill(small_tmpfs, 0)
+    assert os.statvfs(small_tmpfs).f_bavail == 0
+    code = cli.main(["gc", str(small_tmpfs), "--keep-last", "1", "--yes", "-q"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "FAILED" not in out, out + err
+    assert sorted(os.listdir(root)) == ["latest", "step3"]  # no record, no trash left
+    _loads_as(str(root), 3.0, 20_000)
+    assert os.statvfs(small_tmpfs).f_bavail > 0
+    filler.unlink()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_manager_save_on_a_full_disk_names_the_room_retention_needs_and_can_be_retried(small_tmpfs,
+                                                                                        async_save):
+    """The error said only "the device is full", though retention keeps its checkpoints beside
+    each new one; and after an async save failed, saving the same step again was refused as
+    "not after step N, the last one saved" (it never was)."""
+    root = str(small_tmpfs / "run")
+    n = 20_000
+    with bcp.CheckpointManager(root, retention=bcp.KeepLast(2), async_save=async_save) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(float(s), n), force=True)
+        mgr.wait()
+        filler = _fill(small_tmpfs, 0)
+        with pytest.raises(StorageIOError, match="step 4 was not saved") as info:
+            mgr.save(4, _state(4.0, n), force=True)
+            mgr.wait()
+        assert info.value.errno == errno.ENOSPC
+        assert "KeepLast(k=2) keeps 2 checkpoint(s)" in str(info.value)
+        assert "room for one checkpoint more than retention keeps" in str(info.value)
+        assert sorted(os.listdir(root)) == ["latest", "step_2", "step_3"]
+        _loads_as(root, 3.0, n)
+        filler.unlink()
+        assert mgr.save(4, _state(4.0, n), force=True)  # the same step, once there is room
+    assert sorted(os.listdir(root)) == ["latest", "step_3", "step_4"]
+    _loads_as(root, 4.0, n)
+
+
+def test_keeping_fewer_on_a_full_disk_frees_the_room_at_the_failed_save(small_tmpfs):
+    """The advice is to keep fewer; but retention ran only after a save committed, which the
+    full disk never let happen. Now the failed save applies the (new) policy first."""
+    root = str(small_tmpfs / "run")
+    n = 20_000
+    with bcp.CheckpointManager(root, retention=bcp.KeepLast(3), async_save=False) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(float(s), n), force=True)
+    _fill(small_tmpfs, 0)
+    with bcp.CheckpointManager(root, retention=bcp.KeepLast(1), async_save=False) as mgr:
+        assert mgr.restore(_state(0.0, n)) == 3
+        with pytest.raises(StorageIOError, match="after deleting 2 now"):
+            mgr.save(4, _state(4.0, n), force=True)
+        assert mgr.save(4, _state(4.0, n), force=True)
+    assert sorted(os.listdir(root)) == ["latest", "step_4"]
+    _loads_as(root, 4.0, n)
 
 
 def test_a_save_or_gc_on_a_read_only_file_system_fails_by_name(tmp_path, capsys):

@@ -4,25 +4,19 @@ there is. Through a proxy that answers SlowDown in front of the test S3 server."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from bytecheckpoint.errors import TransientStorageError
 from bytecheckpoint.storage import open_storage, retry
 from bytecheckpoint.storage.config import RetrySettings
 from bytecheckpoint.storage.s3 import S3Storage
-from tests.support.s3_busy_proxy import BusyProxy
-from tests.support.servers import s3_root
+from tests.support.s3_busy_proxy import proxied_s3_root
 
 
 @pytest.fixture
 def busy_s3(monkeypatch):
-    root = s3_root("busy")  # skips when the session started no S3 server
-    proxy = BusyProxy(int(os.environ["BCP_S3_ENDPOINT"].rsplit(":", 1)[1]))
-    monkeypatch.setenv("BCP_S3_ENDPOINT", f"http://127.0.0.1:{proxy.port}")
-    yield proxy, root
-    proxy.close()
+    with proxied_s3_root(monkeypatch, "busy") as found:
+        yield found
 
 
 def test_a_slow_down_answer_is_named_busy_and_retried_until_it_clears(busy_s3):

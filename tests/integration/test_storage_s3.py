@@ -49,3 +49,13 @@ def test_s3_missing_bucket_fails_at_once_with_advice():
     with pytest.raises(PermanentStorageError, match="bucket does not exist: create it"):
         storage.write_bytes("no-such-bucket-here/x/file", b"data")
     assert time.monotonic() - t < 5  # no retries for a permanent error
+
+
+def test_s3_an_aborted_multipart_file_leaves_no_truncated_object_behind():
+    storage, path = open_storage(s3_root("abort"))
+    backend = S3Storage(transfer=TransferSettings(part_bytes=MIN_PART_BYTES, threads=2))
+    writer = backend.open_writer(f"{path}/model-00000.safetensors")
+    writer.write(os.urandom(MIN_PART_BYTES + 100))  # one part sent, the rest buffered
+    writer.abort()
+    # Was there, 5 MiB of it: pyarrow completes a multipart upload it is asked to drop.
+    assert not storage.exists(f"{path}/model-00000.safetensors")

@@ -6,7 +6,8 @@ tier that is unmounted (its mount point left empty), two services given differen
   files (the old code checked the paths as given only).
 - A pass refuses to run while hot links point at missing cold files: it cooled new checkpoints
   into the empty mount point, where the remounted disk hid them (those checkpoints were lost).
-  Loads and ``bcp verify`` of such a checkpoint say that its cold tier is missing.
+  Loads and ``bcp verify`` of such a checkpoint say that its cold tier is not mounted
+  (``ColdTierUnavailableError``).
 - A file cooled into another cold tier is not copied again by a second service.
 - A move killed between making the remap's temporary link and renaming it over the hot file
   is rolled back without leaving an orphan that blocks the checkpoint's next move.
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.errors import NotACheckpointError
+from bytecheckpoint.errors import ColdTierUnavailableError
 from bytecheckpoint.manage.journal import JOURNAL_FILE, LOCK_FILE
 from storage_tiering import ConfigError, load_config, run_once
 from storage_tiering.__main__ import main as cli
@@ -109,7 +110,7 @@ def test_a_pass_refuses_a_cold_tier_whose_files_are_missing_and_cools_nothing(un
 def test_load_and_verify_of_a_checkpoint_whose_cold_tier_is_missing_say_so(unmounted):
     hot, cold, run, disk, config = unmounted
     for call in (bcp.verify, lambda p: bcp.load(p, {"w": torch.zeros(4)})):
-        with pytest.raises(NotACheckpointError, match="cold tier that is missing") as err:
+        with pytest.raises(ColdTierUnavailableError, match="cold tier that is not mounted") as err:
             call(f"{run}/step_1")
         assert f"{cold}/run/step_1/metadata" in str(err.value)
 

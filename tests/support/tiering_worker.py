@@ -4,6 +4,10 @@
 itself when the mover reaches STEP (see ``storage_tiering.mover``): copy, copied, verified,
 remap, remapped, free.
 
+``python -m tests.support.tiering_worker hold HOT COLD DIR`` runs one cooling pass (cool after 1 day,
+keep the newest 1) that pauses after its first copy: it creates ``DIR/holding``, waits for
+``DIR/release`` (60 s at most), goes on, and prints how many checkpoints it cooled and failed.
+
 ``python -m tests.support.tiering_worker load CKPT OUT`` loads a checkpoint into a plain model in one
 process and writes the loaded state to OUT with torch.save.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -30,6 +35,20 @@ def _move(hot: str, cold: str, step: str) -> None:
     sys.exit("the move finished without reaching " + step)
 
 
+def _hold(hot: str, cold: str, flags: str) -> None:
+    def on_step(name: str) -> None:
+        if name != "copied" or os.path.exists(f"{flags}/holding"):
+            return
+        open(f"{flags}/holding", "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{flags}/release") and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    config = load_config(env={}, hot=hot, cold=cold, cool_after="1d", keep_newest=1)
+    report = run_once(config, on_step=on_step)
+    print(f"cooled={len(report.cooled)} failed={len(report.failed)}")
+
+
 def _load(ckpt: str, out: str) -> None:
     model, optim = w.make_plain(seed=99, lr=1e-4)
     bcp.load(ckpt, {"model": model, "optimizer": optim})
@@ -39,5 +58,7 @@ def _load(ckpt: str, out: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "move":
         _move(*sys.argv[2:5])
+    elif sys.argv[1] == "hold":
+        _hold(*sys.argv[2:5])
     else:
         _load(*sys.argv[2:4])

@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import time
 
 import pytest
 import torch
 
 import bytecheckpoint as bcp
+from bytecheckpoint.commit import protocol, save_lock
 from bytecheckpoint.errors import InvalidStorageURLError
 from bytecheckpoint.storage import open_storage
 from bytecheckpoint.storage.shm import SharedMemoryStorage
@@ -126,3 +128,72 @@ def test_a_save_to_a_name_that_reads_as_another_saves_leftover_is_refused(tmp_pa
         bcp.save(f"shm://run/{name}", {"w": torch.ones(2)})
     assert not (tmp_path / "shm" / "run").exists() or os.listdir(tmp_path / "shm" / "run") == []
     bcp.save("shm://run/a", {"w": torch.ones(2)})  # the plain name saves as before
+
+
+# -- the save lock and the latest pointer's temporaries: the same footing -----------------------
+
+
+def _swap(root, outside) -> None:
+    """``root/run`` becomes a link to ``outside`` (the real one moves to ``run.real``)."""
+    if not (root / "run").is_symlink():
+        os.rename(root / "run", root / "run.real")
+        os.symlink(outside, root / "run")
+
+
+@pytest.fixture
+def swap_dirs(tmp_path, monkeypatch):
+    root, outside = tmp_path / "shm", tmp_path / "outside"
+    (root / "run").mkdir(parents=True)
+    outside.mkdir()
+    monkeypatch.setenv("BCP_SHM_DIR", str(root))
+    storage = SharedMemoryStorage()
+    storage.check_path("run/ck")
+    return storage, root, outside
+
+
+def test_the_save_lock_is_never_taken_through_a_swapped_directory(swap_dirs, monkeypatch):
+    storage, root, outside = swap_dirs
+    (outside / ".ck.lock").write_bytes(b"someone's file")
+    opening = save_lock._open_lock_file
+
+    def swapped_first(*args):  # the other side wins the race: after every check, before the open
+        _swap(root, outside)
+        return opening(*args)
+
+    monkeypatch.setattr(save_lock, "_open_lock_file", swapped_first)
+    lock = save_lock.acquire(storage, "run/ck", "s1")
+    assert (outside / ".ck.lock").read_bytes() == b"someone's file"  # not truncated, not locked
+    assert os.listdir(outside) == [".ck.lock"]
+    assert os.listdir(root / "run.real") == [".ck.lock"]  # taken in the directory it checked
+    lock.release()
+    assert os.listdir(root / "run.real") == []
+
+
+def test_the_save_lock_is_released_where_it_was_taken(swap_dirs, monkeypatch):
+    storage, root, outside = swap_dirs
+    lock = save_lock.acquire(storage, "run/ck", "s1")
+    os.rename(root / "run", root / "run.real")  # swapped while the lock is held
+    os.symlink(outside, root / "run")
+    (outside / ".ck.lock").write_bytes(b"someone's file")
+    lock.release()
+    assert (outside / ".ck.lock").read_bytes() == b"someone's file"
+    assert os.listdir(root / "run.real") == []  # its own lock file went
+
+
+def test_latest_pointer_temporaries_are_never_cleared_through_a_swapped_directory(swap_dirs, monkeypatch):
+    storage, root, outside = swap_dirs
+    stale = outside / ".latest.tmp-0123456789ab"  # looks like a crashed save's, old enough to go
+    stale.write_text("{}")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    listing = os.listdir
+
+    def swapped_first(*args):  # the swap lands between the checks and the listing
+        _swap(root, outside)
+        return listing(*args)
+
+    monkeypatch.setattr(os, "listdir", swapped_first)
+    with pytest.raises(InvalidStorageURLError, match="symbolic link"):  # writing the new pointer
+        protocol.update_latest(storage, "run/ck", 5, "s1")
+    monkeypatch.undo()
+    assert os.listdir(outside) == [stale.name]
