@@ -13,7 +13,9 @@ span that names one, and its start its first span's. Events of earlier releases 
 ``call_id``: each of those spans is given to that rank's newest save / load call that started
 before it (``_CALLS``), where a call a rank never ended (hung, killed) starts at its first
 phase span (``CALL_BEGINS``). Ranks share no call id, so the calls of one collective save are
-matched across ranks by (checkpoint, op, step, call): every rank numbers its own calls.
+matched across ranks by (checkpoint, op, step, call): every rank numbers its own calls. That
+SQL (``_CALLS``, ``CALL_BEGINS``) is in ``telemetry.store.queries``, which the alert rules'
+query shares, so an alert's "call N" is the dashboard's call N.
 
 Tiering (read by ``tiering_moves``): the cooling service's spans in the same events table.
 
@@ -36,6 +38,7 @@ from typing import Any
 import pandas as pd
 
 from telemetry.schema import IO_SPAN_PREFIX, SCOPE_SPANS, THROUGHPUT_PHASES
+from telemetry.store.queries import calls_sql as _calls
 from telemetry.store.schema import ALERTS, EVENTS, IO_OPS
 
 TIERING_PREFIX = "tiering."
@@ -47,92 +50,6 @@ _SETTINGS = {"prefer_column_name_to_alias": 1}
 _SCOPE = """job = {job:String} AND run = {run:String} AND checkpoint = {checkpoint:String}
         AND checkpoint_op = {op:String}"""
 _FILTERS = """({job:String} = '' OR job = {job:String}) AND ({run:String} = '' OR run = {run:String})"""
-
-
-# The first phase span of every save / load call (``bytecheckpoint/engine``): a rank's call
-# that never ended has no whole-call span, and its phases begin that call instead.
-CALL_BEGINS: dict[str, str] = {"save": "save.collect", "load": "load.metadata"}
-
-# Every rank's ended calls without a call id (events of earlier releases): their whole-call
-# spans, from start to end.
-_ENDS = """
-SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts AS call_ts, step, event_id,
-       toFloat64(ts) + duration_s AS end_ts,
-       ts + toIntervalMicrosecond(toInt64(ceil(duration_s * 1e6))) AS end_at, toUInt8(1) AS ended
-FROM {events} FINAL WHERE name = checkpoint_op AND call_id = '' AND {where}
-"""
-
-# Where those calls start: every whole-call span, and every first phase span outside the
-# rank's ended calls (a call it never ended: hung, or killed). A load does nothing after
-# its call ends, so an unended load right after an ended one starts where that one ended: its
-# spans before its metadata (the read lease's checks) are its own, not the ended call's.
-_TIMED_STARTS = """
-SELECT job, run, checkpoint, checkpoint_op, rank_key, '' AS call_id, call_ts, step, event_id FROM ({ends})
-UNION ALL
-SELECT job, run, checkpoint, checkpoint_op, rank_key, '',
-       if(checkpoint_op = 'load' AND ended = 1 AND prev_ts < ended_call_ts, end_at, ts), step, event_id
-FROM (
-    SELECT b.*, w.ended AS ended, w.call_ts AS ended_call_ts, w.end_at AS end_at,
-           lagInFrame(b.ts, 1, toDateTime64(0, 6, 'UTC')) OVER (
-               PARTITION BY b.job, b.run, b.checkpoint, b.checkpoint_op, b.rank_key
-               ORDER BY b.ts, b.event_id ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_ts
-    FROM (
-        SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, ts, step, event_id
-        FROM {events} FINAL WHERE name = {begins} AND call_id = '' AND {where}
-    ) AS b
-    ASOF LEFT JOIN ({ends}) AS w
-    ON b.job = w.job AND b.run = w.run AND b.checkpoint = w.checkpoint
-       AND b.checkpoint_op = w.checkpoint_op AND b.rank_key = w.rank_key AND b.ts >= w.call_ts
-    WHERE w.ended = 0 OR toFloat64(b.ts) > w.end_ts
-)
-"""
-
-# Calls named by their spans' call id: they start at their first span, and their step is the
-# first one a span names (a load's reads before its metadata name none; an async save's
-# background spans, with no step= of the save's, may carry the step training moved on to).
-_ID_STARTS = """
-SELECT job, run, checkpoint, checkpoint_op, ifNull(rank, -1) AS rank_key, call_id, min(ts) AS call_ts,
-       argMin(step, ts) AS id_step, min(event_id) AS first_id
-FROM {events} FINAL WHERE call_id != '' AND {where}
-GROUP BY job, run, checkpoint, checkpoint_op, rank_key, call_id
-"""
-
-# Every call of every rank, numbered per rank and step in start order, as the alert rules count
-# a rank's calls ("call N").
-_STARTS = """
-SELECT job, run, checkpoint, checkpoint_op, rank_key, call_id, call_ts, step,
-       toUInt32(row_number() OVER (PARTITION BY job, run, checkpoint, checkpoint_op, rank_key, step
-                                   ORDER BY call_ts, event_id)) AS call
-FROM ({timed} UNION ALL {named})
-"""
-
-# Every event of the selected checkpoint paths with the call it belongs to: call_step and call.
-# A span with a call id is in that call. One without (an earlier release's) is in that rank's
-# newest call that started at or before it (an async save's background spans come after its
-# call ends), if the span carries that call's step or none (a load's reads before its metadata
-# named the step); else the span's own step, call 1.
-_CALLS = """
-SELECT e.*, if(matched, c.step, e.step) AS call_step, if(matched, c.call, 1) AS call
-FROM (
-    SELECT *, ifNull(rank, -1) AS rank_key FROM {events} FINAL WHERE {where}
-) AS e
-ASOF LEFT JOIN ({starts}) AS c
-ON e.job = c.job AND e.run = c.run AND e.checkpoint = c.checkpoint AND e.checkpoint_op = c.checkpoint_op
-   AND e.rank_key = c.rank_key AND e.call_id = c.call_id AND e.ts >= c.call_ts
-"""
-_MATCHED = "c.call > 0 AND (e.call_id != '' OR e.step IS NULL OR e.step = c.step)"
-
-
-def _calls(where: str) -> str:
-    """``_CALLS`` over the events that ``where`` selects (it may use query parameters)."""
-    cases = ", ".join(f"checkpoint_op = '{op}', '{name}'" for op, name in CALL_BEGINS.items())
-    begins = f"multiIf({cases}, '')"
-    ends = _ENDS.format(events=EVENTS, where=where)
-    timed = _TIMED_STARTS.format(events=EVENTS, where=where, ends=ends, begins=begins)
-    named = _ID_STARTS.format(events=EVENTS, where=where)
-    starts = _STARTS.format(timed=timed, named=named)
-    body = _CALLS.format(events=EVENTS, where=where, starts=starts).replace("if(matched", f"if({_MATCHED}")
-    return f"({body})"
 
 
 def frame(client: Any, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:

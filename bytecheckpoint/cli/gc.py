@@ -202,17 +202,53 @@ def _delete_all(doomed: list[Any], root: Any, hot_root: str, cold_root: str | No
     return deleted, failed
 
 
+def _is_plain_dir(storage: Any, path: str) -> bool:
+    """A directory, not a symbolic link to one (a link leads out of the root, or round in it)."""
+    from ..commit.save_lock import local_os_path
+
+    local = local_os_path(storage, path)
+    if local is not None:
+        return os.path.isdir(local) and not os.path.islink(local)
+    try:
+        return bool(storage.is_dir(path))
+    except OSError:
+        return False
+
+
+def _run_dirs(root: Any, checkpoints: Sequence[Any]) -> list[str]:
+    """ROOT and every directory under it that may be a run: at any depth, as the catalog finds
+    runs, but also one holding no checkpoint, only a killed save's staging (which the listing
+    does not show as a checkpoint). Checkpoints, hidden entries and links are not entered."""
+    from ..commit.protocol import LATEST_FILE
+
+    if root.one is not None:
+        return [root.path]
+    skip = {c.path for c in checkpoints}
+    runs, pending = [], [root.path]
+    while pending:
+        run = pending.pop(0)
+        runs.append(run)
+        try:
+            entries = sorted(root.storage.list_dir(run))
+        except OSError:
+            continue
+        pending += [posixpath.join(run, e) for e in entries
+                    if not e.startswith(".") and e != LATEST_FILE and posixpath.join(run, e) not in skip
+                    and _is_plain_dir(root.storage, posixpath.join(run, e))]
+    return runs
+
+
 def _dead_saves(root: Any, checkpoints: Sequence[Any], act: bool) -> list[tuple[str, bool]]:
-    """The staging entries (``.<name>.staging-<id>``) in ROOT and its runs, each with whether it
-    was deleted: with ``act``, those of saves whose writer is dead (its save lock is free, see
-    ``protocol.reclaim_dead_saves``); a dry run deletes nothing and lists them all."""
+    """The staging entries (``.<name>.staging-<id>``) in ROOT and the directories under it, each
+    with whether it was deleted: with ``act``, those of saves whose writer is dead (its save lock
+    is free, see ``protocol.reclaim_dead_saves``); a dry run deletes nothing and lists them all."""
     from ..commit.protocol import reclaim_dead_saves
     from ..commit.save_lock import STAGING_TAG
     from ..storage import CommitMode
 
     if root.storage.commit_mode is not CommitMode.RENAME:
         return []  # object stores: a crashed save's files go with the next save to its path
-    runs = sorted({root.path} | {posixpath.dirname(c.path) for c in checkpoints})
+    runs = sorted(set(_run_dirs(root, checkpoints)) | {posixpath.dirname(c.path) for c in checkpoints})
     out: list[tuple[str, bool]] = []
     for run in runs:
         try:

@@ -48,6 +48,7 @@ import xxhash
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
+    ColdTierUnavailableError,
     CorruptCheckpointError,
     NotACheckpointError,
     UnsafeCheckpointError,
@@ -229,13 +230,16 @@ def _loose_file_names(raw: bytes, url: str) -> set[str] | None:
 def check_target(storage: Storage, path: str, overwrite: bool) -> bool:
     """Whether a committed checkpoint is at ``path`` (to be replaced: ``overwrite`` is set).
 
-    Raises :class:`CheckpointExistsError` for a checkpoint without ``overwrite`` and
+    Raises :class:`CheckpointExistsError` for a checkpoint without ``overwrite``,
+    :class:`ColdTierUnavailableError` for a cooled checkpoint whose cold tier is not mounted
+    (with or without ``overwrite``: what it holds cannot be checked) and
     :class:`NotACheckpointError` for anything else there: a file, a broken link, a root of
     checkpoints, a directory holding anything but one checkpoint. Nothing is changed."""
     url = storage.url(path)
     local = local_os_path(storage, path)
     if local is not None and os.path.islink(local.rstrip(os.sep)) and not os.path.exists(local):
         raise NotACheckpointError(f"{url} is a broken symbolic link; remove it or choose another path")
+    _check_cold_tier(storage, path)
     names = checkpoint_files(storage, path)
     if names is not None:
         if not overwrite:
@@ -268,6 +272,21 @@ def check_target(storage: Storage, path: str, overwrite: bool) -> bool:
             "overwrite=True replaces only a committed checkpoint, so it is left as it is. "
             if overwrite else "") + "Choose another path"
     )
+
+
+def _check_cold_tier(storage: Storage, path: str) -> None:
+    """Refuse a checkpoint whose metadata links into a cold tier that is not there: committed,
+    but unreadable now, so neither "not a checkpoint" (it is one) nor safe to replace (what it
+    holds cannot be checked, and its cold copies would be orphaned)."""
+    from .integrity import dangling_metadata_link  # integrity imports this module
+
+    missing = dangling_metadata_link(storage, path)
+    if missing is not None:
+        raise ColdTierUnavailableError(
+            f"{storage.url(path)} is a committed checkpoint cooled to a cold tier that is not mounted "
+            f"now (or was moved): its {METADATA_FILE} links to {missing}, which is not there. Nothing "
+            "was saved and it is left as it is: mount the cold tier again where the links point "
+            "(overwrite=True then replaces it), or choose another path", missing=missing)
 
 
 def _listing(names: list[str], limit: int = 5) -> str:

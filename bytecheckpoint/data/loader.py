@@ -17,11 +17,13 @@ K-th batch, so collecting it when the checkpoint is taken costs almost nothing.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -76,6 +78,34 @@ def _dp_default() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+# Loaders with started readers, closed at interpreter exit (see _close_open_loaders).
+_OPEN: weakref.WeakSet[TokenLoader] = weakref.WeakSet()
+_exit_hooked = False
+
+
+def _close_open_loaders() -> None:
+    """Stop the readers of loaders still open at interpreter exit.
+
+    Registered after ``multiprocessing.util`` (imported above), so it runs before
+    multiprocessing's own exit function, which ends daemon children with SIGTERM and joins
+    them. A forked reader inherits the parent's Python SIGTERM handler (a checkpoint
+    manager's preemption handler, a launcher's), ignores that SIGTERM, and the join would
+    wait forever; ``close()`` asks the readers to stop and kills any that do not.
+    """
+    for loader in list(_OPEN):
+        try:
+            loader.close()
+        except Exception:  # noqa: BLE001 - exiting: the other loaders must still close
+            pass
+
+
+def _hook_exit() -> None:
+    global _exit_hooked
+    if not _exit_hooked:
+        atexit.register(_close_open_loaders)
+        _exit_hooked = True
 
 
 class TokenLoader:
@@ -183,6 +213,8 @@ class TokenLoader:
             self._heard.append(time.monotonic())
         self._pump = threading.Thread(target=self._receive, daemon=True, name="bcp-loader-pump")
         self._pump.start()
+        _hook_exit()
+        _OPEN.add(self)
 
     def _receive(self) -> None:
         """Route worker replies: windows to per-worker queues, states to their slots."""
@@ -217,6 +249,7 @@ class TokenLoader:
                         self._state_ready.notify_all()
 
     def close(self) -> None:
+        _OPEN.discard(self)
         if self._procs:
             self._closed_after = self.batches
         for conn in self._conns:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import posixpath
 import signal
 import sys
@@ -61,9 +62,12 @@ from .schedule import Schedule
 log = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# How long close() waits for every rank's last vote on a late preemption signal: a rank that
-# crashed or never closes must not hang the others' exit.
+# How long close() waits for every rank's last vote on a late signal or save request: a rank
+# that crashed or never closes must not hang the others' exit.
 CLOSE_VOTE_TIMEOUT_S = 60.0
+# The same for a rank that closes with an error: its vote can only say "no save", so it waits
+# only for the ranks already voting, and its error is not held up a minute.
+CLOSE_VOTE_FAILING_TIMEOUT_S = 5.0
 _ACTIVE: dict[str, int] = {}  # root URL -> id of the open manager on it, in this process
 _ACTIVE_LOCK = threading.Lock()
 # Open managers whose signal handlers are installed, in installation order (under _ACTIVE_LOCK):
@@ -71,6 +75,7 @@ _ACTIVE_LOCK = threading.Lock()
 _HANDLING: list[CheckpointManager] = []
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _RANK_0_FAILED = "rank 0 failed"  # error_type of a decision that failed on rank 0 with no CheckpointError
+_ASKED = {STOP: "a preemption signal", SAVE: "a save request (request_save(), or save_every_seconds due)"}
 _ERRORS = {c.__name__: c for c in (NotACheckpointError, InvalidArgumentError, ConcurrentSaveError,
                                    CorruptCheckpointError, ColdTierUnavailableError)}
 
@@ -167,12 +172,12 @@ class CheckpointManager:
         self._closed = False
         self._step_t0: tuple[float, float] | None = None
         self._old_handlers: dict[int, Any] = {}
+        self._pid = os.getpid()  # a forked child's signals are not this manager's
         # What save() was last given, and the optimizer steps counted by then: close() makes a
-        # late preemption save of it only if no optimizer of it has stepped since.
+        # late save of it only if no optimizer of it has stepped since.
         self._seen: tuple[int, dict[str, Any], int] | None = None
         self._optimizer_steps = 0
         self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook's handle
-        self._preempting = bool(preemption)
         if preemption:
             try:
                 self._install(DEFAULT_SIGNALS if preemption is True else preemption)
@@ -262,8 +267,14 @@ class CheckpointManager:
                     other._old_handlers[sig] = old
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.agreement.flags[STOP] = 1  # an assignment: safe in a handler; acted on at a check
         previous = self._old_handlers.get(signum)
+        if os.getpid() != self._pid:
+            # A forked child (a DataLoader worker) inherited this handler: nothing in it acts on
+            # the flag, so it would never stop. It gets what the handler replaced instead.
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        self.agreement.flags[STOP] = 1  # an assignment: safe in a handler; acted on at a check
         # The handler this one replaced runs too (a launcher's log flush, a scheduler notice).
         # Not SIG_DFL/SIG_IGN (not callables) nor Python's SIGINT default: those would end the
         # job before its preemption save, which ends it cleanly instead.
@@ -271,7 +282,8 @@ class CheckpointManager:
             previous(signum, frame)
 
     def request_save(self) -> None:
-        """Ask for a save soon (within ``2 * check_every`` steps); may be called on one rank only."""
+        """Ask for a save soon (within ``2 * check_every`` steps; one the loop ends before is made
+        by :meth:`close`); may be called on one rank only."""
         self.agreement.flags[SAVE] = 1
 
     @property
@@ -287,12 +299,22 @@ class CheckpointManager:
         step = check_step(step)
         assert step is not None
         if self._decided is None or self._decided[0] != step:
+            self._check_in_flight()
             if self.schedule.time_due():
                 self.agreement.flags[SAVE] = 1
             self._decided = (step, self.agreement.poll(step))
             self._step_time()
         agreed = self._decided[1]
         return self.schedule.step_due(step) or (agreed is not None and (agreed.stop or agreed.save))
+
+    def _check_in_flight(self) -> None:
+        """An async save in flight that has failed was no save: the clock runs from the one
+        before it, so a time-based save is voted for now (the save then raises that error from
+        its wait(), within ``2 * check_every`` steps) rather than an interval later."""
+        done = getattr(self._handle, "done", None)
+        if self.schedule.every_seconds is not None and done is not None and done():
+            if self._handle.exception(timeout=0) is not None:
+                self.schedule.save_failed()
 
     def _step_time(self) -> None:
         if not self.record_step_time:
@@ -341,6 +363,7 @@ class CheckpointManager:
         self._before_pending = self._last_step
         self._last_step = step
         self.schedule.saved()
+        self.agreement.saved()  # the requests and due times voted on so far are met
         self._handle, self._pending_step, self._pending_name = result, step, name
         if not (self.async_save and not stopping):
             self.wait()
@@ -431,8 +454,10 @@ class CheckpointManager:
         try:
             self.last_result = handle.wait() if hasattr(handle, "wait") else handle
         except BaseException as exc:
-            # Not saved: the same step may be saved again (it is not "the last one saved").
+            # Not saved: the same step may be saved again (it is not "the last one saved"), and
+            # the clock runs from the save before it.
             self._last_step = self._before_pending
+            self.schedule.save_failed()
             if isinstance(exc, OSError):
                 raise self._not_saved(exc, self._pending_step) from exc
             raise
@@ -638,20 +663,21 @@ class CheckpointManager:
             raise InvalidArgumentError(f"this CheckpointManager on {self.url} is closed")
 
     def close(self) -> None:
-        """Finish the save in flight and retention, make the preemption save a signal asked for
-        too late for the loop to act on, restore the signal handlers, free the root."""
+        """Finish the save in flight and retention, make the save a signal, a request or the
+        clock asked for too late for the loop to act on, restore the signal handlers, free the
+        root."""
         if self._closed:
             return
         # Called while an exception propagates (a with block, a finally): the state may be
-        # half-updated, so this rank votes against a preemption save.
+        # half-updated, so this rank votes against a last save.
         failing = sys.exc_info()[0] is not None
         try:
             try:
                 self.wait()
             except BaseException:
-                self._save_at_close(able=False)  # the other ranks are waiting for this vote
+                self._save_at_close(failing=True)  # the other ranks are waiting for this vote
                 raise
-            self._save_at_close(able=not failing)
+            self._save_at_close(failing=failing)
             self.agreement.close()
         finally:
             self._closed = True
@@ -662,39 +688,43 @@ class CheckpointManager:
             self._uninstall()
             self._finalizer()
 
-    def _save_at_close(self, able: bool) -> None:
-        """A signal came after the ranks' last agreement and the loop ended before the next one:
-        every rank votes, and where all can, they save the state last given to save() at its
-        step (synchronously), as the agreement would have. Only managers with preemption vote."""
-        if not self._preempting or self._stop:
-            return
+    def _save_at_close(self, failing: bool) -> None:
+        """A signal, a save request or a due time came after the ranks' last agreement and the
+        loop ended before the next one: every rank votes (a request may have reached one rank
+        only, so every manager holds the vote), and where all can, they save the state last
+        given to save() at its step (synchronously), as the agreement would have."""
+        if self._stop:
+            return  # a preemption save was made: nothing was asked since that the loop could act on
         seen = self._seen
         # An optimizer that stepped after the last save() call changed the state since: saved now
         # as that call's step, a resume would train a step twice. This rank votes against.
-        able = able and seen is not None and seen[2] == self._optimizer_steps
-        final = self.agreement.final(able, seen[0] if seen is not None else -1, CLOSE_VOTE_TIMEOUT_S)
-        if final is None or not final.stop:
-            if final is None and self.agreement.flags[STOP]:
-                self._no_save_at_close(f"not every rank took part in close()'s vote within "
-                                       f"{CLOSE_VOTE_TIMEOUT_S:.0f} s")
+        able = not failing and seen is not None and seen[2] == self._optimizer_steps
+        timeout = CLOSE_VOTE_FAILING_TIMEOUT_S if failing else CLOSE_VOTE_TIMEOUT_S
+        final = self.agreement.final(able, seen[0] if seen is not None else -1, timeout)
+        if final is None:
+            if self.agreement.flags[STOP] or self.agreement.flags[SAVE]:
+                self._no_save_at_close(STOP if self.agreement.flags[STOP] else SAVE,
+                                       f"not every rank took part in close()'s vote within {timeout:.0f} s")
             return
+        if not (final.stop or final.save):
+            return
+        asked = STOP if final.stop else SAVE
         if not final.able or seen is None:
-            self._no_save_at_close("some rank ended with an error, never called save(), was at "
-                                   "another step, or stepped an optimizer after its last save() call")
+            self._no_save_at_close(asked, "some rank ended with an error, never called save(), was at "
+                                          "another step, or stepped an optimizer after its last save() call")
             return
         step, state, _ = seen
         if self._last_step is None or step > self._last_step:  # else saved (or restored) already
-            self._decided = (step, Agreed(stop=True))
-            self.save(step, state)  # synchronous: the stop is agreed
-            log.warning("%s: a preemption signal came after the ranks' last agreement; saved step %d "
-                        "at close()", self.url, step)
-        self._stop = True
+            self._decided = (step, Agreed(stop=final.stop, save=True))
+            self.save(step, state)
+            self.wait()  # a stop saves synchronously; a request's save is finished here too
+            log.warning("%s: %s came after the ranks' last agreement; saved step %d at close()",
+                        self.url, _ASKED[asked], step)
+        self._stop = final.stop
 
     def _count_steps_of(self, state: dict[str, Any]) -> None:
         """Count the steps of every optimizer in ``state`` (top level, or one dict down) from
         now on, for close()'s check that the state is still the one last given to save()."""
-        if not self._preempting:
-            return
         values = list(state.values())
         values += [v for d in values if isinstance(d, dict) for v in d.values()]
         for value in values:
@@ -704,11 +734,12 @@ class CheckpointManager:
     def _optimizer_stepped(self, *_: Any) -> None:
         self._optimizer_steps += 1
 
-    def _no_save_at_close(self, why: str) -> None:
-        # The job should not count on a preemption checkpoint that does not exist.
-        log.warning("%s: a preemption signal reached the ranks after their last agreement (every %d "
-                    "steps), and no preemption checkpoint was saved at close(): %s. The newest "
-                    "checkpoint is the last one saved before", self.url, self.agreement.check_every, why)
+    def _no_save_at_close(self, asked: int, why: str) -> None:
+        # The job should not count on a checkpoint that does not exist.
+        log.warning("%s: %s reached the ranks after their last agreement (every %d steps), and no "
+                    "%scheckpoint was saved at close(): %s. The newest checkpoint is the last one saved "
+                    "before", self.url, _ASKED[asked], self.agreement.check_every,
+                    "preemption " if asked == STOP else "", why)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -32,6 +32,7 @@ class Schedule:
         if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
             raise InvalidArgumentError(f"last_step={self.last_step!r}: give a whole number >= 0, or None")
         self._last_save = time.monotonic()
+        self._before = self._last_save  # before the last saved(): where a failed save leaves it
 
     def step_due(self, step: int) -> bool:
         """Due by the step alone: the same answer on every rank."""
@@ -44,4 +45,12 @@ class Schedule:
         return (time.monotonic() if now is None else now) - self._last_save >= self.every_seconds
 
     def saved(self, now: float | None = None) -> None:
+        """A save started: the interval runs from now."""
+        self._before = self._last_save
         self._last_save = time.monotonic() if now is None else now
+
+    def save_failed(self) -> None:
+        """The save last counted by :meth:`saved` failed: it was no save, so the interval runs
+        from the save before it (a time-based save is due again as it was, not an interval
+        late)."""
+        self._last_save = self._before

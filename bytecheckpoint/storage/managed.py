@@ -5,7 +5,8 @@ Each primitive runs under the retry policy and becomes one telemetry event
 latency and outcome. A writer's calls are events too: ``storage.open``, ``storage.write``
 per buffer, ``storage.commit``, ``storage.abort``. Retried failures also emit
 ``storage.retry`` events, so flaky storage shows up even when every operation succeeds.
-"Not found" is an answer, not a failure: its event has outcome ok and ``found=False``.
+"Not found" is an answer, not a failure: its event has outcome ok and ``found=False``; so are
+the other answers of ``_ANSWERS`` (outcome ok, ``answer`` names the exception).
 
 Every retry is also logged (logger ``bytecheckpoint.storage``, warning: what failed, which
 attempt, the wait), so a slow failure is never a silent one. An operating-system error that
@@ -106,19 +107,24 @@ class ManagedStorage(StorageWrapper):
             # A read's bytes are those it got (set below), not the buffer's size: a missing
             # file or a short read at the end of one moved fewer.
             fields["requested_bytes" if op == "read_into" else "bytes"] = nbytes
-        missing: FileNotFoundError | None = None
+        answer: OSError | None = None
         with span(_EVENT_NAMES.get(op, f"storage.{op}"), **fields) as event:
             try:
                 value, attempts = self._retry(op, path, fn, event)
-            except FileNotFoundError as exc:
-                event.set(found=False, attempt=getattr(exc, "attempts", 1), bytes=0)
-                missing = exc
+            except _ANSWERS as exc:
+                # An answer, not a failure (an overwrite's probe of a directory with size()
+                # got IsADirectoryError): an error event raised a failed_ops alert for every
+                # successful save over a checkpoint. A caller that fails on it fails its phase.
+                event.set(attempt=getattr(exc, "attempts", 1), bytes=0)
+                event.set(**({"found": False} if isinstance(exc, FileNotFoundError)
+                             else {"answer": type(exc).__name__}))
+                answer = exc
             else:
                 event.set(attempt=attempts)
                 if op == "read_into":
                     event.set(bytes=value)
-        if missing is not None:
-            raise missing
+        if answer is not None:
+            raise answer
         return value
 
     def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:

@@ -28,10 +28,13 @@ class Context:
 
 @dataclass(frozen=True)
 class Window:
-    """Per (job, run, checkpoint, op, step, rank, phase) rows, as ``queries.rank_phases`` returns them.
+    """Per (job, run, checkpoint, op, step, call, rank, phase) rows, as ``queries.rank_phases``
+    returns them.
 
-    Keys used by the rules: job, run, checkpoint, op, rank, phase, step, spans, duration_s,
+    Keys used by the rules: job, run, checkpoint, op, rank, phase, step, call, spans, duration_s,
     bytes, errors, retries, start_ts, end_ts, sample_error, world_size (of the rank's newest span).
+    ``call`` numbers a rank's calls of one path and step (1, 2, ...); 0 or missing: rows of
+    spans with no call id (earlier releases), every call of the step merged.
     """
 
     rows: Sequence[dict[str, Any]]
@@ -52,6 +55,8 @@ class Alert:
     threshold: float
     message: str
     step: int | None = None
+    # Which call of the path at that step (``Window``); 0: not known (spans with no call id).
+    call: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     # What makes two alerts the same: the rule, the checkpoint and this subject.
     subject: tuple[Any, ...] = ()
@@ -92,7 +97,7 @@ class AnyRule:
 
 @dataclass(frozen=True)
 class AllRule:
-    """The first rule's alerts whose (job, run, checkpoint, step, rank) every other rule also flags."""
+    """The first rule's alerts whose (job, run, checkpoint, step, call, rank) every other rule also flags."""
 
     rules: tuple[Rule, ...]
     name: ClassVar[str] = "all"
@@ -103,7 +108,7 @@ class AllRule:
         results = [rule.evaluate(window, context=context) for rule in self.rules]
 
         def where(alert: Alert) -> tuple[Any, ...]:
-            return (alert.job, alert.run, alert.checkpoint, alert.step, alert.rank)
+            return (alert.job, alert.run, alert.checkpoint, alert.step, alert.call, alert.rank)
 
         common = set.intersection(*({where(a) for a in alerts} for alerts in results))
         return [alert for alert in results[0] if where(alert) in common]
@@ -114,3 +119,22 @@ def group_rows(rows: Sequence[dict[str, Any]], *keys: str) -> dict[tuple[Any, ..
     for row in rows:
         groups.setdefault(tuple(row.get(k) for k in keys), []).append(row)
     return groups
+
+
+def call_of(row: dict[str, Any]) -> int:
+    """A row's call number (``Window``): 0 when it has none (spans with no call id)."""
+    value = row.get("call")
+    if isinstance(value, bool) or not isinstance(value, int):
+        return 0
+    return max(0, value)
+
+
+def call_subject(step: Any, call: int, *rest: Any) -> tuple[Any, ...]:
+    """An alert's subject in one call: the first call's (or a merged step's) is the one alerts
+    had before calls were numbered, so their ids stay; a later call's adds its number."""
+    return (step, *rest) if call <= 1 else (step, call, *rest)
+
+
+def call_text(call: int) -> str:
+    """", call N" for a path's second or later call at one step; "" for the first."""
+    return f", call {call}" if call > 1 else ""

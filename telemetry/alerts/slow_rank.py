@@ -12,8 +12,10 @@ of the *other* ranks: ``peer_ratio`` times it and ``min_excess_s`` more is slow,
 phase also ended ``min_excess_s`` later than theirs did. (A rank waiting in a collective for
 a slow peer spends long in that phase too, but ends it when the peer does.)
 
-One alert per (checkpoint, rank) names the phase with the largest excess; the others are in
-``details``.
+One alert per (checkpoint, step, call, rank) names the phase with the largest excess; the
+others are in ``details``. Ranks are compared within one call: a path saved twice at one step
+(a retry, an overwrite) summed each rank's two calls, so a rank slow in the first call and
+another slow in the second had equal sums and neither was flagged.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from telemetry.alerts.base import Alert, Context, Window, group_rows
+from telemetry.alerts.base import Alert, Context, Window, call_of, call_subject, call_text, group_rows
 from telemetry.schema import SCOPE_SPANS
 
 
@@ -46,20 +48,21 @@ class SlowRank:
     def evaluate(self, window: Window, *, context: Context) -> list[Alert]:
         rows = [r for r in window.rows if r.get("checkpoint") and r.get("phase") not in SCOPE_SPANS
                 and str(r.get("phase", "")).startswith(self.phase_prefixes)]
+        rows = [{**r, "call": call_of(r)} for r in rows]
         flagged: dict[tuple, list[dict]] = {}
-        for (job, run, ckpt, op, step, phase), group in group_rows(
-            rows, "job", "run", "checkpoint", "op", "step", "phase"
+        for (job, run, ckpt, op, step, call, phase), group in group_rows(
+            rows, "job", "run", "checkpoint", "op", "step", "call", "phase"
         ).items():
             by_rank = {r["rank"]: r for r in group if r.get("rank") is not None}
             per_rank = {rank: float(r["duration_s"]) for rank, r in by_rank.items()}
             if len(per_rank) < max(2, self.min_ranks):
                 continue
             for rank, found in self._slow(per_rank, by_rank).items():
-                flagged.setdefault((job, run, ckpt, op, step, rank), []).append(
+                flagged.setdefault((job, run, ckpt, op, step, call, rank), []).append(
                     {"phase": phase, "ranks": len(per_rank), "step": step, **found})
         alerts = []
-        for (job, run, ckpt, op, step, rank), phases in sorted(flagged.items(), key=lambda kv: str(kv[0])):
-            alerts.append(self._alert(job, run, ckpt, op, step, rank, phases))
+        for key, phases in sorted(flagged.items(), key=lambda kv: str(kv[0])):
+            alerts.append(self._alert(*key, phases))
         return alerts
 
     def _slow(self, per_rank: dict[Any, float], rows: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
@@ -90,7 +93,7 @@ class SlowRank:
         peers = statistics.median(float(e) for r, e in ends.items() if r != rank)
         return float(ends[rank]) - peers >= self.min_excess_s
 
-    def _alert(self, job: str, run: str, ckpt: str, op: str, step: Any, rank: Any,
+    def _alert(self, job: str, run: str, ckpt: str, op: str, step: Any, call: int, rank: Any,
                phases: list[dict[str, Any]]) -> Alert:
         worst = max(phases, key=lambda p: p["duration_s"] - p["median_s"])
         ratio = worst["duration_s"] / worst["median_s"] if worst["median_s"] > 0 else float("inf")
@@ -104,9 +107,9 @@ class SlowRank:
             value, threshold = worst["z"], self.z
         return Alert(
             rule=self.name, severity=self.severity, job=job, run=run, checkpoint=ckpt,
-            checkpoint_op=op, phase=worst["phase"], rank=rank, step=worst["step"],
-            value=value, threshold=threshold, subject=(step, rank),
-            message=(f"rank {rank} is slow in {worst['phase']} of {op} {ckpt}: "
+            checkpoint_op=op, phase=worst["phase"], rank=rank, step=worst["step"], call=call,
+            value=value, threshold=threshold, subject=call_subject(step, call, rank),
+            message=(f"rank {rank} is slow in {worst['phase']} of {op} {ckpt}{call_text(call)}: "
                      f"{worst['duration_s']:.3f} s vs {against}"),
             details={"phases": phases},
         )

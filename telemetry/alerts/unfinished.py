@@ -8,10 +8,14 @@ background write ended too. Nothing is raised while no rank has ended (a save in
 everywhere: ``uncommitted`` covers a save that never ends), nor before ``after_s`` has passed
 since the last other rank ended (an async write still running within the limit).
 
-One path can be saved (or loaded) again at the same step (a retry, an overwrite), and the
-rows of both calls are merged: a rank that ended the first call has an end span even when it
-never ended the second. So ranks are compared by how many calls they ended (each call ends
-with one span per rank): one that ended fewer than the others is overdue in the newest call.
+One path can be saved (or loaded) again at the same step (a retry, an overwrite, a job
+restarted from the same checkpoint): the rows say which call each span is in (``call``), and
+each call is judged on its own. A rank killed in the first load of a restarted job is named
+in that call; counted over the step's calls, it had ended one load and the others two, and
+it was named again, "in call 2", once the reload had ended everywhere. Rows of spans with no
+call id (earlier releases) merge the step's calls: there ranks are compared by how many calls
+they ended (each call ends with one span per rank), and one that ended fewer than the others
+is overdue in the newest call.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from telemetry.alerts.base import Alert, Context, Window, group_rows
+from telemetry.alerts.base import Alert, Context, Window, call_of, call_subject, call_text, group_rows
 
 # The spans that end a rank's part of a save or load, in the order they end.
 ENDS: dict[str, tuple[str, ...]] = {"save": ("save", "save.background"), "load": ("load",)}
@@ -87,10 +91,10 @@ class UnfinishedRanks:
     name: ClassVar[str] = "unfinished_ranks"
 
     def evaluate(self, window: Window, *, context: Context) -> list[Alert]:
-        rows = [r for r in window.rows if r.get("op") in ENDS and r.get("checkpoint")]
+        rows = [{**r, "call": call_of(r)} for r in window.rows if r.get("op") in ENDS and r.get("checkpoint")]
         alerts = []
-        for (job, run, ckpt, op, step), group in group_rows(rows, "job", "run", "checkpoint", "op",
-                                                              "step").items():
+        for (job, run, ckpt, op, step, numbered), group in group_rows(rows, "job", "run", "checkpoint", "op",
+                                                                        "step", "call").items():
             overdue = _unfinished(group, ENDS[op], context.now, self.after_s)
             if not overdue:
                 continue
@@ -105,12 +109,12 @@ class UnfinishedRanks:
             named = f"{ranks[:_NAMED]}" + (f" and {len(ranks) - _NAMED} more" if len(ranks) > _NAMED else "")
             first = min(overdue)
             # A later call's hang is a new incident: its own alert id, and the call it is in.
-            calls = max(_calls_ended(group, ENDS[op][0]).values(), default=1)
-            subject, call = ((step,), "") if calls <= 1 else ((step, calls), f", call {calls}")
+            calls = numbered or max(_calls_ended(group, ENDS[op][0]).values(), default=1)
+            subject, call = call_subject(step, calls), call_text(calls)
             finished = len({r["rank"] for r in group if r.get("rank") is not None} - set(overdue))
             alerts.append(Alert(
                 rule=self.name, severity=self.severity, job=job, run=run, checkpoint=ckpt,
-                checkpoint_op=op, phase=seen[first][0], rank=first, step=step,
+                checkpoint_op=op, phase=seen[first][0], rank=first, step=step, call=numbered,
                 value=max(overdue.values()), threshold=self.after_s, subject=subject,
                 message=(f"rank(s) {named} did not finish the {op} of {ckpt} (step {step}{call}) "
                          f"that {finished} other rank(s) finished {min(overdue.values()):.0f} s ago "

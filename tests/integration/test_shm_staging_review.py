@@ -110,6 +110,32 @@ def test_gc_reclaims_staging_on_local_disk_too(tmp_path, savers, capsys, monkeyp
     assert any(".staging-" in n for n in _leftovers(run, "step_2"))
 
 
+@pytest.mark.parametrize("scheme", ["shm", "local"])
+def test_gc_reclaims_a_killed_saves_staging_in_a_nested_run_with_nothing_committed(
+        shm_root, tmp_path, savers, capsys, scheme):
+    # Was: gc looked in ROOT and in the runs of its committed checkpoints only: a run below it
+    # holding nothing but a killed save's staging kept that staging (RAM, on shm://) for good.
+    _stalled_savers(savers, ["team/run1/step_1", "team/run2/step_1"], str(tmp_path))
+    _kill(savers[0])
+    run1, run2 = (os.path.join(shm_root, "team", r) for r in ("run1", "run2"))
+    killed, live = _leftovers(run1, "step_1"), _leftovers(run2, "step_1")
+    assert any(".staging-" in n for n in killed) and any(".staging-" in n for n in live)
+    root = "shm://" if scheme == "shm" else shm_root
+    assert cli.main(["gc", root, "--keep-last", "1", "-q"]) == 0  # a dry run lists both, deletes none
+    out = capsys.readouterr().out
+    assert out.count("gc --yes deletes it if that save is dead") == 2, out
+    assert _leftovers(run1, "step_1") == killed
+    assert cli.main(["gc", root, "--keep-last", "1", "--yes", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert _leftovers(run1, "step_1") == [], out  # its staging and its lock file
+    assert _leftovers(run2, "step_1") == live  # the live save's: untouched
+    assert "reclaimed" in out and "team/run1/.step_1.staging-" in out, out
+    savers[1].kill()
+    savers[1].wait()
+    assert cli.main(["gc", root, "--keep-last", "1", "--yes", "-q"]) == 0  # now dead too: reclaimed
+    assert _leftovers(run2, "step_1") == []
+
+
 _BRIEF_HOLDER = """
 import fcntl, json, os, socket, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)

@@ -18,6 +18,7 @@ Checkpoints are tiny (one 4-element tensor), saved and loaded by one process.
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 import torch
@@ -113,6 +114,33 @@ def test_load_and_verify_of_a_checkpoint_whose_cold_tier_is_missing_say_so(unmou
         with pytest.raises(ColdTierUnavailableError, match="cold tier that is not mounted") as err:
             call(f"{run}/step_1")
         assert f"{cold}/run/step_1/metadata" in str(err.value)
+
+
+def _entries(root: str) -> dict[str, tuple]:
+    """What _snapshot says, but a directory's mtime: the save's lock file, made and removed in
+    the run directory, changes that and nothing else."""
+    return {p: (None if stat.S_ISDIR(v[0]) else v) for p, v in _snapshot(root).items()}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_save_over_a_checkpoint_whose_cold_tier_is_missing_says_so_and_changes_nothing(
+        unmounted, overwrite):
+    # Was: NotACheckpointError / CheckpointExistsError "exists and is a directory holding
+    # 'metadata.msgpack', ..., not a checkpoint": it is one, committed and intact.
+    hot, cold, run, disk, config = unmounted
+    before = _entries(hot)
+    with pytest.raises(ColdTierUnavailableError, match="cold tier that is not mounted") as err:
+        _save(f"{run}/step_1", 9, 9, overwrite=overwrite)
+    assert err.value.missing == f"{cold}/run/step_1/metadata.msgpack"
+    assert err.value.missing in str(err.value) and "Nothing was saved" in str(err.value)
+    assert _entries(hot) == before and _cold_files(cold) == []
+
+    # Mounted again: it is there as it was, and overwrite=True replaces it.
+    os.rename(cold, f"{cold}-mountpoint")
+    os.rename(disk, cold)
+    _assert_holds(f"{run}/step_1", 1)
+    _save(f"{run}/step_1", 9, 9, overwrite=True)
+    _assert_holds(f"{run}/step_1", 9)
 
 
 def test_a_checkpoint_cooled_into_another_cold_tier_is_not_copied_again(tmp_path):

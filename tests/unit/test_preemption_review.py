@@ -200,3 +200,30 @@ def test_a_default_or_ignoring_disposition_neither_kills_the_job_nor_skips_its_s
     assert code == 0, f"the child ended with {code} (-15: killed by the default action)"
     assert report["stopped"] and report["latest"] == report["stopped_at"] < 3000
     assert report["restored"]
+
+
+def _sleep_forever() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+def test_a_child_forked_under_a_manager_still_ends_on_sigterm(tmp_path, sigterm_restored):
+    # Was: the child (a DataLoader worker) inherited the manager's handler, which only sets a
+    # flag nothing in the child reads: SIGTERM left it running, and an exit that waits hung.
+    import multiprocessing
+
+    mgr = bcp.CheckpointManager(str(tmp_path / "run"), preemption=True)
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_sleep_forever)
+        child.start()
+        time.sleep(0.2)
+        child.terminate()  # SIGTERM
+        child.join(timeout=10)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+            child.join()
+        assert not alive and child.exitcode == -signal.SIGTERM
+        assert not mgr.stop_requested and not mgr.agreement.flags[0]  # the parent saw nothing
+    finally:
+        mgr.close()
