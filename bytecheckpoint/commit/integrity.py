@@ -63,13 +63,17 @@ def _find(storage: Storage, path: str) -> str | None:
     return repair(storage, target)
 
 
-def dangling_link(storage: Storage, full: str) -> str | None:
-    """Where the local file ``full`` links to, when it is a link (its checkpoint was cooled) to
-    nothing; else None."""
-    local = local_os_path(storage, full)
+def dangling_target(local: str | None) -> str | None:
+    """Where the local path ``local`` links to, when it is a link (its checkpoint was cooled)
+    to nothing; else None."""
     if local is None or not os.path.islink(local) or os.path.exists(local):
         return None
     return os.path.realpath(local)
+
+
+def dangling_link(storage: Storage, full: str) -> str | None:
+    """:func:`dangling_target` of the storage file ``full`` (None off local disk)."""
+    return dangling_target(local_os_path(storage, full))
 
 
 def dangling_metadata_link(storage: Storage, path: str) -> str | None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import xxhash
 
+from ..commit.integrity import dangling_target
 from ..commit.leases import LEASED_SCHEMES, is_being_read, is_pinned
 from ..commit.protocol import LATEST_FILE, read_latest
 from ..commit.save_lock import STAGING_TAG, local_os_path, pointer_locked
@@ -115,7 +116,7 @@ class Catalog:
         try:
             size = self.storage.size(meta_path)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            missing = _dangling(self._local(meta_path))
+            missing = dangling_target(self._local(meta_path))
             if missing is not None:  # cooled, and its cold tier is not mounted: still committed
                 return _Read(None, 0, unreachable_problem(missing), missing=missing)
             return None
@@ -255,7 +256,7 @@ class Catalog:
                 except FileNotFoundError:
                     # A missing file: verification refuses it. A link to nothing: the cold tier
                     # of a partly cooled checkpoint is not mounted.
-                    missing = missing or _dangling(full)
+                    missing = missing or dangling_target(full)
                 cold += _cooled_link(full, local, self.cold_root)
         tier = "hot" if cold == 0 else ("cold" if cold == len(files) else "partial")
         if missing is not None:
@@ -275,13 +276,6 @@ class Catalog:
 class _Built:
     info: CheckpointInfo
     meta_doc: dict | None  # user metadata, for the timeline; None when it cannot be trusted
-
-
-def _dangling(local: str | None) -> str | None:
-    """Where the local path ``local`` links to, when it is a link to nothing; else None."""
-    if local is None or not os.path.islink(local) or os.path.exists(local):
-        return None
-    return os.path.realpath(local)
 
 
 def unreachable_problem(missing: str) -> str:
